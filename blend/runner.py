@@ -1,0 +1,197 @@
+"""Our own forward pass over a Llama-family model's weights (llama, mistral, qwen2, qwen3).
+
+Two entry points share one transformer block:
+- `prefill`: a fresh sequence at given positions, causal among its own rows;
+- `forward_selected`: recompute only some rows of a sequence whose per-layer KV is already in
+  a `KVCache`, writing their new K/V back; the row set may shrink at chosen layers (CacheBlend).
+Decoding is `forward_selected` of one new row at the end of the cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import kernels
+from .cache import KVCache
+from .model import Model
+from .rope import RopeTable, apply_rope, rope_frequencies
+
+# (layer, rows (n,), dev_k (n,), dev_v (n,)) → indices into rows to keep for the next layers
+RowFilter = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Layer:
+    ln1: torch.Tensor  # (D,)
+    wqkv: torch.Tensor  # ((H + 2·Hkv)·hd, D): q, k, v projections fused
+    bqkv: torch.Tensor | None  # qwen2's projection biases
+    q_norm: torch.Tensor | None  # (hd,) qwen3
+    k_norm: torch.Tensor | None
+    wo: torch.Tensor  # (D, H·hd)
+    ln2: torch.Tensor  # (D,)
+    wgu: torch.Tensor  # (2·I, D): gate and up fused
+    wd: torch.Tensor  # (D, I)
+
+
+@dataclass
+class Prefill:
+    logits: torch.Tensor  # (V,) float32, the last row's
+    k: torch.Tensor  # (L, Hkv, n, hd), post-RoPE at the given positions
+    v: torch.Tensor  # (L, Hkv, n, hd)
+
+
+@dataclass
+class Selected:
+    logits: torch.Tensor  # (V,) for the last row, or (m, V) for every final row with all_logits
+    layer_rows: list[torch.Tensor]  # rows recomputed at each layer (the same tensor while unchanged)
+    deviations: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer → (dev_k, dev_v)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+class Runner:
+    def __init__(self, model: Model):
+        cfg = model.config
+        self.model = model
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self.max_positions = _max_positions(cfg)
+        self.device, self.dtype = model.device, model.dtype
+        s = model.state
+        self.embed = s["model.embed_tokens.weight"]  # (V, D)
+        self.norm = s["model.norm.weight"]
+        self.lm_head = s["lm_head.weight"]  # (V, D)
+        self.layers = [self._layer(s, f"model.layers.{i}.") for i in range(self.num_layers)]
+        inv_freq, scaling = rope_frequencies(cfg)
+        self.inv_freq = inv_freq
+        self.rope = RopeTable(inv_freq, scaling, self.dtype, self.device)
+
+    @staticmethod
+    def _layer(s: dict[str, torch.Tensor], p: str) -> Layer:
+        a = p + "self_attn."
+        biases = [s.get(a + f"{x}_proj.bias") for x in "qkv"]
+        return Layer(
+            ln1=s[p + "input_layernorm.weight"],
+            wqkv=torch.cat([s[a + f"{x}_proj.weight"] for x in "qkv"]),
+            bqkv=torch.cat(biases) if all(b is not None for b in biases) else None,
+            q_norm=s.get(a + "q_norm.weight"),
+            k_norm=s.get(a + "k_norm.weight"),
+            wo=s[a + "o_proj.weight"],
+            ln2=s[p + "post_attention_layernorm.weight"],
+            wgu=torch.cat([s[p + "mlp.gate_proj.weight"], s[p + "mlp.up_proj.weight"]]),
+            wd=s[p + "mlp.down_proj.weight"],
+        )
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache.empty(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
+
+    # ---- the transformer block -------------------------------------------------------------
+
+    def _qkv(self, l: int, x: torch.Tensor, pos: torch.Tensor):
+        """x (n, D), pos (n,) → q (n, H, hd), k (n, Hkv, hd) post-RoPE, v (n, Hkv, hd)."""
+        w = self.layers[l]
+        n, hd = x.shape[0], self.head_dim
+        qkv = F.linear(rms_norm(x, w.ln1, self.eps), w.wqkv, w.bqkv)
+        q, k, v = qkv.split([self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], dim=-1)
+        q, k, v = q.view(n, -1, hd), k.view(n, -1, hd), v.view(n, -1, hd)
+        if w.q_norm is not None:
+            q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
+        cos, sin = self.rope(pos)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _finish(self, l: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, MLP. x (n, D), attn (n, H, hd) → (n, D)."""
+        w = self.layers[l]
+        x = x + F.linear(attn.reshape(x.shape[0], -1), w.wo)
+        gate, up = F.linear(rms_norm(x, w.ln2, self.eps), w.wgu).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, w.wd)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(rms_norm(x, self.norm, self.eps), self.lm_head).float()
+
+    # ---- entry points ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: torch.Tensor, positions: torch.Tensor | None = None) -> Prefill:
+        """token_ids (n,) at positions (n,) ascending (default 0..n-1), causal among themselves."""
+        token_ids = token_ids.to(self.device)
+        n = token_ids.shape[0]
+        pos = torch.arange(n, device=self.device) if positions is None else positions.to(self.device)
+        self._check_positions(pos)
+        k_out = torch.empty(self.num_layers, self.num_kv_heads, n, self.head_dim, dtype=self.dtype, device=self.device)
+        v_out = torch.empty_like(k_out)
+        local = torch.arange(n, device=self.device)  # causal order = row order
+        x = self.embed[token_ids]
+        for l in range(self.num_layers):
+            q, k, v = self._qkv(l, x, pos)
+            k_out[l] = k.transpose(0, 1)
+            v_out[l] = v.transpose(0, 1)
+            x = self._finish(l, x, kernels.selected_attention(q, k_out[l], v_out[l], local, self.scale))
+        return Prefill(self._logits(x[-1:])[0], k_out, v_out)
+
+    @torch.inference_mode()
+    def forward_selected(self, cache: KVCache, token_ids: torch.Tensor, rows: torch.Tensor, *,
+                         deviation_layers: frozenset[int] = frozenset(), row_filter: RowFilter | None = None,
+                         all_logits: bool = False) -> Selected:
+        """Recompute `rows` (n,) ascending, whose tokens are `token_ids` (n,), against `cache`.
+
+        Row r is at position r and sees every row ≤ r. Recomputed K/V overwrite the cache.
+        Rows past cache.length extend it (decode). At each layer in `deviation_layers` the
+        per-row ||new − cached||² of K and V is measured before the overwrite; `row_filter`
+        then picks which rows go on to the next layers.
+        """
+        rows = rows.to(self.device)
+        token_ids = token_ids.to(self.device)
+        end = int(rows[-1]) + 1
+        self._check_positions(rows[-1:])
+        cache.reserve(end)
+        cache.length = max(cache.length, end)
+        x = self.embed[token_ids]  # (n, D)
+        layer_rows: list[torch.Tensor] = []
+        deviations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        contiguous = end - int(rows[0]) == rows.shape[0]
+        for l in range(self.num_layers):
+            layer_rows.append(rows)
+            q, k, v = self._qkv(l, x, rows)
+            ck, cv = cache.k[l], cache.v[l]  # (Hkv, capacity, hd)
+            if l in deviation_layers:
+                deviations[l] = (kernels.deviation_scatter_(ck, rows, k), kernels.deviation_scatter_(cv, rows, v))
+            elif contiguous:
+                ck[:, int(rows[0]) : end] = k.transpose(0, 1)
+                cv[:, int(rows[0]) : end] = v.transpose(0, 1)
+            else:
+                ck.index_copy_(1, rows, k.transpose(0, 1))
+                cv.index_copy_(1, rows, v.transpose(0, 1))
+            x = self._finish(l, x, kernels.selected_attention(q, ck[:, :end], cv[:, :end], rows, self.scale))
+            if row_filter is not None and l in deviations and l + 1 < self.num_layers:
+                keep = row_filter(l, rows, *deviations[l])
+                if keep.shape[0] != rows.shape[0]:
+                    rows, x = rows[keep], x[keep]
+                    end = int(rows[-1]) + 1
+                    contiguous = end - int(rows[0]) == rows.shape[0]
+        logits = self._logits(x) if all_logits else self._logits(x[-1:])[0]
+        return Selected(logits, layer_rows, deviations)
+
+    def _check_positions(self, pos: torch.Tensor) -> None:
+        if pos.numel() and int(pos.max()) >= self.max_positions:
+            raise ValueError(f"position {int(pos.max())} exceeds the model's limit of {self.max_positions}")
+
+
+def _max_positions(cfg) -> int:
+    """Longest sequence served exactly: the context length, or the sliding window if one applies."""
+    limit = cfg.max_position_embeddings
+    window = getattr(cfg, "sliding_window", None)
+    uses_window = cfg.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)
+    return min(limit, window) if window and uses_window else limit

@@ -1,0 +1,56 @@
+"""Model loading: the bundled default, local directories, clear errors, the fingerprint."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from blend.model import Model, ModelError, load_model
+from tests.conftest import tiny_hf_model
+
+
+def test_default_model_is_dequantized_once_and_reloads(smollm, settings):
+    assert smollm.config.model_type == "llama" and smollm.dtype == torch.float32
+    assert (smollm.path / "model.safetensors").is_file() and smollm.path.parent == settings.home / "models"
+    again = load_model(None, settings.home, device="cpu", dtype="float32")
+    assert again.fingerprint == smollm.fingerprint
+    assert smollm.tokenizer.decode(smollm.tokenizer("Paris is nice")["input_ids"]) == "Paris is nice"
+
+
+def test_fingerprint_changes_with_weights_and_dtype(smollm):
+    hf = tiny_hf_model("qwen3")
+    base = Model.from_hf(hf)
+    assert Model.from_hf(hf).fingerprint == base.fingerprint
+    with torch.no_grad():
+        hf.model.layers[0].mlp.up_proj.weight[0, 0] += 1e-3
+    assert Model.from_hf(hf).fingerprint != base.fingerprint
+    assert Model.from_hf(hf.to(torch.bfloat16)).fingerprint != base.fingerprint
+    assert base.fingerprint != smollm.fingerprint
+
+
+def test_local_directory_loads_and_runs(tmp_path, smollm):
+    hf = tiny_hf_model("qwen2")
+    hf.save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(ModelError, match="tokenizer"):
+        load_model(str(tmp_path / "ckpt"), tmp_path, device="cpu")
+    smollm.tokenizer.save_pretrained(tmp_path / "ckpt")
+    m = load_model(str(tmp_path / "ckpt"), tmp_path, device="cpu")
+    assert m.config.model_type == "qwen2" and m.dtype == torch.float32
+    ids = torch.arange(5, 60)
+    with torch.inference_mode():
+        ref = hf(ids[None]).logits[0, -1]
+    from blend.runner import Runner
+
+    assert (Runner(m).prefill(ids).logits - ref).abs().max() <= 1e-4
+
+
+def test_missing_path_is_one_clear_error(tmp_path):
+    with pytest.raises(ModelError, match="config.json missing"):
+        load_model(str(tmp_path / "nope"), tmp_path)
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))
+    with pytest.raises(ModelError, match="not supported"):
+        load_model(str(tmp_path), tmp_path)
