@@ -1,1 +1,16 @@
-"""blend."""
+"""blend: our model runner, chunk-KV fusion with RoPE re-alignment, recompute selection, kernels.
+
+Never imports ragcache or api (DESIGN.md layering).
+"""
+from .cache import KVCache
+from .chunk import ALONE, ChunkKV, PrefixKV, compute_chunk, compute_prefix, ids_key
+from .fuse import FusedResult, fuse_and_prefill
+from .model import Model, ModelError, load_model
+from .runner import Runner
+from .select import CacheBlend, Epic, Full, Prefix, Reuse, make_policy
+
+__all__ = [
+    "ALONE", "CacheBlend", "ChunkKV", "Epic", "Full", "FusedResult", "KVCache", "Model", "ModelError",
+    "Prefix", "PrefixKV", "Reuse", "Runner", "compute_chunk", "compute_prefix", "fuse_and_prefill", "ids_key",
+    "load_model", "make_policy",
+]

@@ -8,6 +8,7 @@ Decoding is `forward_selected` of one new row at the end of the cache.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -19,7 +20,7 @@ from .cache import KVCache
 from .model import Model
 from .rope import RopeTable, apply_rope, rope_frequencies
 
-# (layer, rows (n,), dev_k (n,), dev_v (n,)) → indices into rows to keep for the next layers
+# (layer, rows (n,), dev_k (n,), dev_v (n,)) → indices into rows to keep, ascending; the last must stay
 RowFilter = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -46,7 +47,8 @@ class Prefill:
 @dataclass
 class Selected:
     logits: torch.Tensor  # (V,) for the last row, or (m, V) for every final row with all_logits
-    layer_rows: list[torch.Tensor]  # rows recomputed at each layer (the same tensor while unchanged)
+    kv_rows: list[torch.Tensor]  # per layer: rows whose K/V were recomputed (same tensor while unchanged)
+    out_rows: list[torch.Tensor]  # per layer: rows whose attention and MLP ran (fewer at a filtering layer)
     deviations: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer → (dev_k, dev_v)
 
 
@@ -77,6 +79,8 @@ class Runner:
         inv_freq, scaling = rope_frequencies(cfg)
         self.inv_freq = inv_freq
         self.rope = RopeTable(inv_freq, scaling, self.dtype, self.device)
+        self._spare: list[KVCache] = []  # released caches, reused to skip fresh-page faults
+        self._spare_lock = threading.Lock()
 
     @staticmethod
     def _layer(s: dict[str, torch.Tensor], p: str) -> Layer:
@@ -95,7 +99,18 @@ class Runner:
         )
 
     def new_cache(self, capacity: int) -> KVCache:
+        """An empty cache for `capacity` rows: a released one of fitting size, else a new one."""
+        with self._spare_lock:
+            for i, spare in enumerate(self._spare):
+                if capacity <= spare.capacity <= 2 * capacity:
+                    return self._spare.pop(i)
         return KVCache.empty(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
+
+    def release(self, cache: KVCache) -> None:
+        """Hand a cache back for reuse; the caller must not touch it (or views of it) afterwards."""
+        with self._spare_lock:
+            if len(self._spare) < 2:
+                self._spare.append(KVCache(cache.k, cache.v, 0))
 
     # ---- the transformer block -------------------------------------------------------------
 
@@ -149,40 +164,47 @@ class Runner:
 
         Row r is at position r and sees every row ≤ r. Recomputed K/V overwrite the cache.
         Rows past cache.length extend it (decode). At each layer in `deviation_layers` the
-        per-row ||new − cached||² of K and V is measured before the overwrite; `row_filter`
-        then picks which rows go on to the next layers.
+        per-row ||new − cached||² of K and V is measured as they are written; `row_filter` then
+        picks the rows that go on. The others' K/V at that layer are fresh, but their attention
+        and MLP are skipped there: no later layer would read their output.
         """
         rows = rows.to(self.device)
-        token_ids = token_ids.to(self.device)
         end = int(rows[-1]) + 1
         self._check_positions(rows[-1:])
         cache.reserve(end)
         cache.length = max(cache.length, end)
-        x = self.embed[token_ids]  # (n, D)
-        layer_rows: list[torch.Tensor] = []
+        x = self.embed[token_ids.to(self.device)]  # (n, D)
+        kv_rows: list[torch.Tensor] = []
+        out_rows: list[torch.Tensor] = []
         deviations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        contiguous = end - int(rows[0]) == rows.shape[0]
+        plan = kernels.attention_plan(rows)
         for l in range(self.num_layers):
-            layer_rows.append(rows)
+            kv_rows.append(rows)
             q, k, v = self._qkv(l, x, rows)
             ck, cv = cache.k[l], cache.v[l]  # (Hkv, capacity, hd)
             if l in deviation_layers:
                 deviations[l] = (kernels.deviation_scatter_(ck, rows, k), kernels.deviation_scatter_(cv, rows, v))
-            elif contiguous:
+                keep = row_filter(l, rows, *deviations[l]) if row_filter is not None else None
+                if keep is not None and keep.shape[0] != rows.shape[0]:
+                    rows, x, q = rows[keep], x[keep], q[keep]
+                    end = int(rows[-1]) + 1
+                    plan = kernels.attention_plan(rows)
+            elif end - int(rows[0]) == rows.shape[0]:  # contiguous rows: a plain slice write
                 ck[:, int(rows[0]) : end] = k.transpose(0, 1)
                 cv[:, int(rows[0]) : end] = v.transpose(0, 1)
             else:
                 ck.index_copy_(1, rows, k.transpose(0, 1))
                 cv.index_copy_(1, rows, v.transpose(0, 1))
-            x = self._finish(l, x, kernels.selected_attention(q, ck[:, :end], cv[:, :end], rows, self.scale))
-            if row_filter is not None and l in deviations and l + 1 < self.num_layers:
-                keep = row_filter(l, rows, *deviations[l])
-                if keep.shape[0] != rows.shape[0]:
-                    rows, x = rows[keep], x[keep]
-                    end = int(rows[-1]) + 1
-                    contiguous = end - int(rows[0]) == rows.shape[0]
+            out_rows.append(rows)
+            x = self._finish(l, x, kernels.selected_attention(q, ck[:, :end], cv[:, :end], rows, self.scale, plan))
         logits = self._logits(x) if all_logits else self._logits(x[-1:])[0]
-        return Selected(logits, layer_rows, deviations)
+        return Selected(logits, kv_rows, out_rows, deviations)
+
+    def row_work(self) -> tuple[int, int]:
+        """Multiply-adds per row and layer: (q/k/v projections, everything after them)."""
+        hd, d = self.head_dim, self.layers[0].wqkv.shape[1]
+        inter = self.layers[0].wd.shape[1]
+        return (self.num_heads + 2 * self.num_kv_heads) * hd * d, self.num_heads * hd * d + 3 * d * inter
 
     def _check_positions(self, pos: torch.Tensor) -> None:
         if pos.numel() and int(pos.max()) >= self.max_positions:

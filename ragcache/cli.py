@@ -42,9 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
 
     b = sub.add_parser("bench", help="benchmarks whose output goes into BENCHMARKS.md")
-    b.add_argument("what", choices=["load", "prefill"])
+    b.add_argument("what", choices=["load", "prefill", "blend"])
     b.add_argument("--tokens", type=int, default=2048, help="prefill: input length")
     b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--dataset", default="../shared/data/musique_dev.json", help="blend: MuSiQue-format file")
+    b.add_argument("--question", type=int, default=0, help="blend: which question's passages")
+    b.add_argument("--passages", type=lambda s: [int(x) for x in s.split(",")], default=[4, 10],
+                   help="blend: passage counts, comma-separated")
+    b.add_argument("--chunk-prefill", choices=["alone", "prefixed"], default="alone")
     b.set_defaults(func=_bench)
 
     for name, issue in [("ingest", "the precompute issue"), ("precompute", "the precompute issue"),

@@ -19,10 +19,13 @@ def _triton(t: torch.Tensor):
     return triton_ops
 
 
-def realign_rope_(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate cached K in place by per-row deltas. k (B, n, hd); cos, sin (n, hd/2) float32."""
+def realign_rope_(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, src: torch.Tensor | None = None) -> None:
+    """Rotate K by per-row position deltas: k ← R(delta)·src (src=None: k in place).
+
+    k, src (B, n, hd), last dim contiguous; cos, sin (n, hd/2) float32 of delta·inv_freq.
+    """
     ops = _triton(k)
-    (ops.realign_rope_ if ops else reference.realign_rope_)(k, cos, sin)
+    (ops.realign_rope_ if ops else reference.realign_rope_)(k, cos, sin, src)
 
 
 def deviation_scatter_(cache: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -34,11 +37,18 @@ def deviation_scatter_(cache: torch.Tensor, rows: torch.Tensor, new: torch.Tenso
     return (ops.deviation_scatter_ if ops else reference.deviation_scatter_)(cache, rows, new)
 
 
-def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                       scale: float) -> torch.Tensor:
+def attention_plan(q_pos: torch.Tensor) -> list[reference.Block] | None:
+    """Work split for `selected_attention`, made once per row set (the torch path's query blocks)."""
+    return None if q_pos.is_cuda else reference.attention_blocks(q_pos)
+
+
+def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                       plan: list[reference.Block] | None = None) -> torch.Tensor:
     """Attention of selected rows over a whole cache, causal by absolute position (key j at j).
 
     q (n, H, hd) with q_pos (n,) ascending; k, v (Hkv, T, hd), H a multiple of Hkv → (n, H, hd).
     """
     ops = _triton(q)
-    return (ops.selected_attention if ops else reference.selected_attention)(q, k, v, q_pos, scale)
+    if ops:
+        return ops.selected_attention(q, k, v, q_pos, scale)
+    return reference.selected_attention(q, k, v, q_pos, scale, plan)

@@ -1,22 +1,83 @@
 """Torch implementations of the blend kernels: the CPU path and the oracle the Triton kernels match."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 
-MAX_BLOCKS = 8  # query blocks in selected attention: skips most of the masked upper triangle
+MAX_BLOCKS = 16  # query blocks in selected attention
+CALL_COST = 16384  # one more block's fixed cost, in (query row × key) units of work
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # → (out, logsumexp)
 
 
-def realign_rope_(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """k (B, n, hd) in place; cos, sin (n, hd/2) float32."""
+@dataclass
+class Block:
+    """Query rows [a, b) at positions [start, end): keys [0, start) are all visible to every row
+    (no mask); keys [start, end) are the diagonal, causal when the rows are contiguous, else masked."""
+
+    a: int
+    b: int
+    start: int
+    end: int
+    mask: torch.Tensor | None  # (b - a, end - start) additive float32, None when causal
+
+
+def attention_blocks(q_pos: torch.Tensor) -> list[Block]:
+    """Split ascending query positions into blocks whose masked diagonals waste least.
+
+    Only a block's diagonal [start, end) is computed with masked-out work: rows × (end − start)
+    when its rows are scattered, none when they are contiguous (causal). The split that cuts
+    most of that waste is taken first while it saves more than a block costs. Made once per
+    row set, not per layer.
+    """
+    pos = q_pos.cpu().double()
+    n = pos.numel()
+    spans = [(0, n)]
+    while len(spans) < MAX_BLOCKS:
+        best = None
+        for j, (a, b) in enumerate(spans):
+            width = float(pos[b - 1] - pos[a]) + 1
+            if b - a < 2 or width == b - a:  # contiguous: causal, nothing to save
+                continue
+            i = torch.arange(a + 1, b, dtype=torch.float64)  # candidate split points
+            cost = (i - a) * (pos[a : b - 1] - pos[a] + 1) + (b - i) * (pos[b - 1] - pos[a + 1 : b] + 1)
+            k = int(cost.argmin())
+            saving = (b - a) * width - float(cost[k]) - CALL_COST
+            if saving > 0 and (best is None or saving > best[0]):
+                best = (saving, j, a + 1 + k)
+        if best is None:
+            break
+        _, j, cut = best
+        a, b = spans[j]
+        spans[j : j + 1] = [(a, cut), (cut, b)]
+    blocks = []
+    for a, b in spans:
+        start, end = int(q_pos[a]), int(q_pos[b - 1]) + 1
+        mask = None
+        if end - start != b - a:  # scattered rows: mask the keys past each row's position
+            keys = torch.arange(start, end, device=q_pos.device)
+            mask = torch.zeros(b - a, end - start, device=q_pos.device)
+            mask.masked_fill_(keys[None, :] > q_pos[a:b, None], float("-inf"))
+        blocks.append(Block(a, b, start, end, mask))
+    return blocks
+
+
+def realign_rope_(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, src: torch.Tensor | None = None) -> None:
+    """k (B, n, hd) ← R(delta)·src, src defaulting to k itself; cos, sin (n, hd/2) float32."""
     half = k.shape[-1] // 2
-    k1, k2 = k[..., :half], k[..., half:]
-    x1, x2 = k1.float(), k2.float()
     c, s = cos.to(k.device), sin.to(k.device)
+    if src is not None and k.dtype == torch.float32:  # rotate straight into place: no temporaries
+        x1, x2 = src[..., :half], src[..., half:]
+        d1, d2 = k[..., :half], k[..., half:]
+        torch.mul(x1, c, out=d1).addcmul_(x2, s, value=-1)
+        torch.mul(x2, c, out=d2).addcmul_(x1, s)
+        return
+    src = k if src is None else src
+    x1, x2 = src[..., :half].float(), src[..., half:].float()
     r1 = x1 * c - x2 * s
     r2 = x2 * c + x1 * s
-    k1.copy_(r1)
-    k2.copy_(r2)
+    k[..., :half] = r1
+    k[..., half:] = r2
 
 
 def deviation_scatter_(cache: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -27,31 +88,39 @@ def deviation_scatter_(cache: torch.Tensor, rows: torch.Tensor, new: torch.Tenso
     return dev
 
 
-def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                       scale: float) -> torch.Tensor:
+def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                       blocks: list[Block] | None = None) -> torch.Tensor:
     """q (n, H, hd), q_pos (n,) ascending; k, v (Hkv, T, hd) → (n, H, hd).
 
-    Queries go in up to MAX_BLOCKS blocks by position; each block reads keys only up to its
-    last position, so the masked triangle is mostly never computed.
+    Per block of queries (`attention_blocks`): the keys every row sees in one unmasked pass,
+    the diagonal in a causal or masked pass, merged by their log-sum-exps. Keys past a
+    block's last row are never read.
     """
-    n = q.shape[0]
     qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, n, hd)
     kh, vh = k.unsqueeze(0), v.unsqueeze(0)  # (1, Hkv, T, hd)
-    first, last = int(q_pos[0]), int(q_pos[-1])
-    if first == 0 and last == n - 1:  # rows 0..n-1 exactly: plain causal attention
-        out = F.scaled_dot_product_attention(qh, kh[:, :, :n], vh[:, :, :n], is_causal=True, scale=scale,
-                                             enable_gqa=True)
-        return out[0].transpose(0, 1)
     outs = []
-    positions = q_pos.tolist()
-    bounds = torch.linspace(0, n, min(MAX_BLOCKS, n) + 1).long().tolist()
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        if a == b:
+    for blk in blocks if blocks is not None else attention_blocks(q_pos):
+        qb = qh[:, :, blk.a : blk.b]
+        mask = None if blk.mask is None else blk.mask.to(q.dtype)
+        diag, lse_d = _flash(qb, kh[:, :, blk.start : blk.end], vh[:, :, blk.start : blk.end], 0.0, mask is None,
+                             attn_mask=mask, scale=scale)
+        if blk.start == 0:
+            outs.append(diag)
             continue
-        end = positions[b - 1] + 1
-        mask = None
-        if positions[a] < end - 1:  # some row in the block must not see the block's last keys
-            mask = torch.arange(end, device=q.device)[None, :] <= q_pos[a:b, None]
-        outs.append(F.scaled_dot_product_attention(qh[:, :, a:b], kh[:, :, :end], vh[:, :, :end], attn_mask=mask,
-                                                   scale=scale, enable_gqa=True))
-    return torch.cat(outs, dim=2)[0].transpose(0, 1)
+        bulk, lse_b = _bulk(qb, kh[:, :, : blk.start], vh[:, :, : blk.start], scale)
+        top = torch.maximum(lse_b, lse_d)
+        wb, wd = (lse_b - top).exp().unsqueeze(-1), (lse_d - top).exp().unsqueeze(-1)  # (1, H, rows, 1)
+        outs.append((bulk * wb + diag * wd) / (wb + wd))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out[0].transpose(0, 1)
+
+
+def _bulk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked attention with each K/V head's query heads stacked as rows: K/V are read once
+    per K/V head instead of once per query head. q (1, H, m, hd); k, v (1, Hkv, S, hd)."""
+    _, h, m, hd = q.shape
+    hkv = k.shape[1]
+    stacked = q.reshape(1, hkv, (h // hkv) * m, hd)  # query head j·g + i → K/V head j, as GQA maps them
+    out, lse = _flash(stacked, k, v, 0.0, False, scale=scale)
+    return out.reshape(1, h, m, hd), lse.reshape(1, h, m)
+

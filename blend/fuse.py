@@ -1,0 +1,111 @@
+"""Fusion: [exact prefix] + [chunk KVs re-aligned to their new offsets] + [query suffix rows],
+then recompute what the policy selects. `fuse_and_prefill` is the whole query-time prefill.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import kernels
+from .cache import KVCache
+from .chunk import ALONE, ChunkKV, PrefixKV
+from .rope import delta_cos_sin
+from .runner import Runner
+from .select import Layout, Plan
+
+
+@dataclass
+class FusedResult:
+    logits: torch.Tensor  # (V,) float32: the first generated token's distribution
+    cache: KVCache  # the fused per-layer cache, ready for decode
+    token_ids: torch.Tensor  # (T,) the whole prompt
+    layout: Layout
+    kv_rows: list[torch.Tensor]  # per layer: rows whose K/V were recomputed (same tensor while unchanged)
+    out_rows: list[torch.Tensor]  # per layer: rows whose attention and MLP ran
+    row_work: tuple[int, int]  # multiply-adds per row and layer: (q/k/v, the rest)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per stage: assemble, recompute
+
+    @property
+    def recompute_fraction(self) -> float:
+        """Recomputed linear-layer work over a full prefill's after the prefix (attention not counted)."""
+        qkv, rest = self.row_work
+        done = sum(qkv * kv.numel() + rest * out.numel() for kv, out in zip(self.kv_rows, self.out_rows))
+        full = len(self.kv_rows) * (self.layout.total - self.layout.prefix_len) * (qkv + rest)
+        return done / max(full, 1)
+
+    def recomputed_rows(self) -> dict[int, torch.Tensor]:
+        """layer → rows whose K/V were recomputed, at layer 0 and wherever the set changes."""
+        out, prev = {}, None
+        for l, rows in enumerate(self.kv_rows):
+            if rows is not prev:
+                out[l] = rows
+                prev = rows
+        return out
+
+
+def layout_of(prefix: PrefixKV | None, chunks: list[ChunkKV], suffix_len: int) -> Layout:
+    offset = len(prefix) if prefix is not None else 0
+    before = prefix.key if prefix is not None else ALONE
+    spans, exact = [], []
+    for i, c in enumerate(chunks):
+        spans.append((offset, offset + len(c)))
+        exact.append(i == 0 and c.is_exact_at(offset, before))  # only the first can follow exactly its context
+        offset += len(c)
+    return Layout(len(prefix) if prefix is not None else 0, spans, exact, offset + suffix_len)
+
+
+def assemble(runner: Runner, prefix: PrefixKV | None, chunks: list[ChunkKV], layout: Layout,
+             needed: list[bool], headroom: int = 0) -> KVCache:
+    """A cache with the prefix and every needed chunk's KV at its new offset; suffix rows zeroed."""
+    cache = runner.new_cache(layout.total + headroom)
+    if prefix is not None:
+        cache.k[:, :, : len(prefix)] = prefix.k
+        cache.v[:, :, : len(prefix)] = prefix.v
+    for chunk, (a, b), need in zip(chunks, layout.spans, needed):
+        if not need:
+            continue
+        cache.v[:, :, a:b] = chunk.v
+        if a == chunk.start:
+            cache.k[:, :, a:b] = chunk.k
+        else:  # RoPE re-alignment: one more rotation by the position delta, written in place
+            delta = torch.full((b - a,), a - chunk.start, dtype=torch.long)
+            cos, sin = delta_cos_sin(delta, runner.inv_freq)
+            kernels.realign_rope_(cache.k[:, :, a:b].flatten(0, 1), cos.to(runner.device), sin.to(runner.device),
+                                  src=chunk.k.to(runner.device).flatten(0, 1))
+    cache.k[:, :, layout.suffix_start : layout.total] = 0
+    cache.v[:, :, layout.suffix_start : layout.total] = 0
+    cache.length = layout.total
+    return cache
+
+
+def _needed(layout: Layout, plan: Plan) -> list[bool]:
+    """A chunk's cached KV is needed unless the plan recomputes all its rows on every layer."""
+    if plan.row_filter is not None:
+        return [True] * len(layout.spans)
+    recomputed = set(plan.rows.tolist())
+    return [not all(r in recomputed for r in range(a, b)) for a, b in layout.spans]
+
+
+def fuse_and_prefill(runner: Runner, prefix_kv: PrefixKV | None, chunk_kvs: list[ChunkKV],
+                     suffix_ids: torch.Tensor, policy, headroom: int = 0) -> FusedResult:
+    """Prefill [prefix] + chunks + suffix from cached KV, recomputing the rows `policy` selects.
+
+    suffix_ids (S,) must be non-empty: its last row yields the first token's logits.
+    `headroom` reserves cache rows for decoding.
+    """
+    if suffix_ids.numel() == 0:
+        raise ValueError("the query suffix must hold at least one token")
+    t0 = time.perf_counter()
+    layout = layout_of(prefix_kv, chunk_kvs, suffix_ids.numel())
+    plan = policy.plan(layout, runner.num_layers)
+    cache = assemble(runner, prefix_kv, chunk_kvs, layout, _needed(layout, plan), headroom)
+    parts = ([prefix_kv.token_ids] if prefix_kv is not None else []) + [c.token_ids for c in chunk_kvs]
+    token_ids = torch.cat([*parts, suffix_ids.cpu()])
+    t1 = time.perf_counter()
+    out = runner.forward_selected(cache, token_ids[plan.rows], plan.rows, deviation_layers=plan.deviation_layers,
+                                  row_filter=plan.row_filter)
+    t2 = time.perf_counter()
+    return FusedResult(out.logits, cache, token_ids, layout, out.kv_rows, out.out_rows, runner.row_work(),
+                       {"assemble": t1 - t0, "recompute": t2 - t1})

@@ -1,0 +1,158 @@
+"""Which rows to recompute. Each policy turns a fused layout into a `Plan` for the runner.
+
+In every policy the query suffix is recomputed on every layer and the system prefix never is.
+Chunks whose KV is already exact where they sit (`Layout.exact`) are never recomputed either.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .runner import RowFilter
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where things sit in the fused sequence: prefix [0, P), chunks, suffix [suffix_start, total)."""
+
+    prefix_len: int
+    spans: list[tuple[int, int]]  # [start, end) of each chunk
+    exact: list[bool]  # chunk KV already equals a full prefill's at its place
+    total: int
+
+    @property
+    def suffix_start(self) -> int:
+        return self.spans[-1][1] if self.spans else self.prefix_len
+
+    def suffix(self) -> torch.Tensor:
+        return torch.arange(self.suffix_start, self.total)
+
+    def stale_spans(self) -> list[tuple[int, int]]:
+        return [s for s, ok in zip(self.spans, self.exact) if not ok]
+
+    def stale_rows(self) -> torch.Tensor:
+        spans = self.stale_spans()
+        return torch.cat([torch.arange(a, b) for a, b in spans]) if spans else torch.empty(0, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class Plan:
+    rows: torch.Tensor  # (n,) ascending: recomputed from layer 0
+    deviation_layers: frozenset[int] = frozenset()
+    row_filter: RowFilter | None = None
+
+
+@dataclass(frozen=True)
+class Full:
+    """Recompute everything after the exact prefix: the baseline."""
+
+    name = "full"
+
+    def plan(self, layout: Layout, num_layers: int) -> Plan:
+        return Plan(torch.arange(layout.prefix_len, layout.total))
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """Reuse only leading chunks that are exact where they sit (what a prefix cache would hit)."""
+
+    name = "prefix"
+
+    def plan(self, layout: Layout, num_layers: int) -> Plan:
+        start = next((a for (a, _), ok in zip(layout.spans, layout.exact) if not ok), layout.suffix_start)
+        return Plan(torch.arange(start, layout.total))
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """Recompute only the query suffix."""
+
+    name = "reuse"
+
+    def plan(self, layout: Layout, num_layers: int) -> Plan:
+        return Plan(layout.suffix())
+
+
+@dataclass(frozen=True)
+class Epic:
+    """EPIC / LegoLink: the first k tokens of every chunk not already exact, plus the suffix."""
+
+    k: int = 16
+    name = "epic"
+
+    def __post_init__(self):
+        if self.k < 0:
+            raise ValueError("epic k must be >= 0")
+
+    def plan(self, layout: Layout, num_layers: int) -> Plan:
+        heads = [torch.arange(a, min(a + self.k, b)) for a, b in layout.stale_spans()]
+        return Plan(torch.cat([*heads, layout.suffix()]))
+
+
+@dataclass(frozen=True)
+class CacheBlend:
+    """CacheBlend: recompute all stale rows up to `check_layer`, then keep the `ratio` of them whose
+    K or V deviates most from the cached value. `gradual` > 1 spreads the cut over that many
+    check layers, shrinking linearly from twice the ratio (capped at 1) down to `ratio`.
+    """
+
+    ratio: float = 0.15
+    check_layer: int = 1
+    by: str = "v"  # "k" or "v"
+    gradual: int = 1
+    name = "cacheblend"
+
+    def __post_init__(self):
+        if not 0 <= self.ratio <= 1:
+            raise ValueError("cacheblend ratio must be in [0, 1]")
+        if self.by not in ("k", "v"):
+            raise ValueError("cacheblend deviation must be measured on 'k' or 'v'")
+        if self.check_layer < 0 or self.gradual < 1:
+            raise ValueError("cacheblend check_layer must be >= 0 and gradual >= 1")
+
+    def ratios(self) -> list[float]:
+        if self.gradual == 1:
+            return [self.ratio]
+        top = min(1.0, 2 * self.ratio)
+        return [top + (self.ratio - top) * i / (self.gradual - 1) for i in range(self.gradual)]
+
+    def plan(self, layout: Layout, num_layers: int) -> Plan:
+        stale = layout.stale_rows()
+        rows = torch.cat([stale, layout.suffix()])
+        last = num_layers - 1
+        layers = sorted({min(self.check_layer + i, last) for i in range(self.gradual)})
+        targets = {l: math.ceil(r * stale.numel()) for l, r in zip(layers, self.ratios())}
+        return Plan(rows, frozenset(targets), _TopDeviation(targets, layout.suffix_start, self.by))
+
+
+@dataclass(frozen=True)
+class _TopDeviation:
+    """Row filter: keep the `targets[layer]` context rows of largest deviation, and the suffix."""
+
+    targets: dict[int, int] = field(hash=False)
+    suffix_start: int
+    by: str
+
+    def __call__(self, layer: int, rows: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.Tensor) -> torch.Tensor:
+        dev = dev_k if self.by == "k" else dev_v
+        is_context = rows < self.suffix_start
+        n_context = int(is_context.sum())
+        keep_n = min(self.targets[layer], n_context)
+        if keep_n == n_context:
+            return torch.arange(rows.numel(), device=rows.device)
+        context_dev = torch.where(is_context, dev.float(), torch.tensor(-1.0, device=dev.device))
+        top = context_dev.topk(keep_n).indices
+        suffix = torch.nonzero(~is_context).flatten()
+        return torch.cat([top, suffix]).sort().values
+
+
+POLICIES = {"full": Full, "prefix": Prefix, "reuse": Reuse, "epic": Epic, "cacheblend": CacheBlend}
+
+
+def make_policy(mode: str, **params):
+    """`make_policy("cacheblend", ratio=0.15)`, `make_policy("epic", k=16)`; ValueError names a bad mode."""
+    if mode not in POLICIES:
+        raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(POLICIES)}")
+    return POLICIES[mode](**params)
