@@ -123,7 +123,7 @@ class CacheBlend:
         rows = torch.cat([stale, layout.suffix()])
         last = num_layers - 1
         layers = sorted({min(self.check_layer + i, last) for i in range(self.gradual)})
-        targets = {l: math.ceil(r * stale.numel()) for l, r in zip(layers, self.ratios())}
+        targets = {l: math.ceil(round(r * stale.numel(), 6)) for l, r in zip(layers, self.ratios())}
         return Plan(rows, frozenset(targets), _TopDeviation(targets, layout.suffix_start, self.by))
 
 

@@ -52,3 +52,10 @@ def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos:
     if ops:
         return ops.selected_attention(q, k, v, q_pos, scale)
     return reference.selected_attention(q, k, v, q_pos, scale, plan)
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Symmetric int8 with one scale per row: q (B, n, hd) int8, scale (B, n) float32 → (B, n, hd)."""
+    ops = _triton(q)
+    return (ops.dequantize_int8 if ops else reference.dequantize_int8)(q, scale, dtype)
+

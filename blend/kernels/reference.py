@@ -124,3 +124,8 @@ def _bulk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tu
     out, lse = _flash(stacked, k, v, 0.0, False, scale=scale)
     return out.reshape(1, h, m, hd), lse.reshape(1, h, m)
 
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q (B, n, hd) int8, scale (B, n) float32 → (B, n, hd) in `dtype`."""
+    return (q.float() * scale.unsqueeze(-1)).to(dtype)

@@ -1,0 +1,141 @@
+"""Fusion correctness gates on the real SmolLM2: exact at 100%, RoPE re-alignment, causality."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from blend import (CacheBlend, Epic, Full, Prefix, Reuse, compute_chunk, compute_prefix, fuse_and_prefill,
+                   make_policy)
+from blend.decode import Sampling, decode
+from blend.prompt import as_ids, chat_frame, encode, stop_token_ids
+from blend.rope import delta_cos_sin
+from blend import kernels
+
+TOL = 1e-4
+DATA = Path(__file__).resolve().parents[2] / "demo" / "data" / "musique_demo.json"
+
+
+@pytest.fixture(scope="module")
+def parts(smol_runner):
+    """System prefix, three ~120-token passages, a question suffix (real MuSiQue text)."""
+    tok = smol_runner.model.tokenizer
+    item = json.loads(DATA.read_text())[0]
+    frame = chat_frame(tok, "Answer from the passages.")
+    prefix = compute_prefix(smol_runner, as_ids(frame.head))
+    texts = [as_ids(encode(tok, c["text"] + "\n\n")[:120]) for c in item["ctxs"][:3]]
+    suffix = as_ids(encode(tok, "Question: " + item["question"]) + frame.tail)
+    return prefix, texts, suffix
+
+
+@pytest.fixture(scope="module", params=["alone", "prefixed"])
+def chunks(request, smol_runner, parts):
+    prefix, texts, _ = parts
+    behind = prefix if request.param == "prefixed" else None
+    return [compute_chunk(smol_runner, t, behind) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def reference(smol_runner, parts, chunks):
+    """Full prefill of the same token ids, and its greedy answer."""
+    prefix, _, suffix = parts
+    ids = torch.cat([prefix.token_ids, *[c.token_ids for c in chunks], suffix])
+    pre = smol_runner.prefill(ids)
+    cache = smol_runner.new_cache(ids.numel())
+    cache.k[:, :, : ids.numel()], cache.v[:, :, : ids.numel()] = pre.k, pre.v
+    cache.length = ids.numel()
+    return pre.logits, _answer(smol_runner, cache, pre.logits)
+
+
+def _answer(runner, cache, logits):
+    stops = stop_token_ids(runner.model.tokenizer, runner.model.config)
+    return decode(runner, cache, logits, Sampling(max_new_tokens=12), stops)
+
+
+@pytest.mark.parametrize("policy", [Full(), CacheBlend(ratio=1.0), CacheBlend(ratio=1.0, by="k", gradual=3),
+                                    Epic(k=1000), Prefix()], ids=str)
+def test_full_recompute_reproduces_full_prefill(smol_runner, parts, chunks, reference, policy):
+    prefix, _, suffix = parts
+    res = fuse_and_prefill(smol_runner, prefix, chunks, suffix, policy, headroom=12)
+    assert (res.logits - reference[0]).abs().max() <= TOL
+    assert _answer(smol_runner, res.cache, res.logits) == reference[1]
+
+
+def test_partial_policies_recompute_what_they_say(smol_runner, parts, chunks):
+    prefix, _, suffix = parts
+    layout_exact = chunks[0].context != ""  # behind the prefix, the first chunk is exact in place
+    stale = sum(len(c) for c in chunks[int(layout_exact):])
+    s = suffix.numel()
+    reuse = fuse_and_prefill(smol_runner, prefix, chunks, suffix, Reuse())
+    assert all(r.numel() == s for r in reuse.kv_rows)
+    epic = fuse_and_prefill(smol_runner, prefix, chunks, suffix, Epic(k=4))
+    assert epic.kv_rows[0].numel() == 4 * (3 - int(layout_exact)) + s
+    blend = fuse_and_prefill(smol_runner, prefix, chunks, suffix, CacheBlend(ratio=0.2))
+    rows = blend.recomputed_rows()
+    assert sorted(rows) == [0, 2]  # all stale rows through the check layer, then the kept ones
+    assert rows[0].numel() == stale + s and rows[2].numel() == -(-stale * 2 // 10) + s
+    assert set(range(reuse.layout.suffix_start, reuse.layout.total)) <= set(rows[2].tolist())
+    assert rows[2].min() >= len(prefix)  # the prefix is never recomputed
+    assert 0 < blend.recompute_fraction < 0.5 and reuse.recompute_fraction < blend.recompute_fraction
+    for res in (reuse, epic, blend):
+        assert torch.isfinite(res.logits).all()
+
+
+def test_single_chunk_at_offset_zero_reused_as_is_is_exact(smol_runner, parts):
+    _, texts, suffix = parts
+    chunk = compute_chunk(smol_runner, texts[0])
+    ref = smol_runner.prefill(torch.cat([texts[0], suffix])).logits
+    res = fuse_and_prefill(smol_runner, None, [chunk], suffix, Reuse())
+    assert res.layout.exact == [True] and all(r.numel() == suffix.numel() for r in res.kv_rows)
+    assert (res.logits - ref).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("p,d", [(0, 37), (100, 2000), (3000, -1500)])
+def test_realigning_k_from_p_by_d_equals_k_computed_at_p_plus_d(smol_runner, parts, p, d):
+    ids = parts[1][1][:50]
+    at_p = smol_runner.prefill(ids, torch.arange(p, p + 50)).k
+    at_pd = smol_runner.prefill(ids, torch.arange(p + d, p + d + 50)).k
+    cos, sin = delta_cos_sin(torch.full((50,), d), smol_runner.inv_freq)
+    moved = at_p.clone()
+    kernels.realign_rope_(moved.flatten(0, 1), cos, sin)
+    # transformers' own float32 angles round to one ulp of p·inv_freq (inv_freq ≤ 1): that is the bound
+    ulp = lambda x: 2.0 ** (math.floor(math.log2(max(x, 1))) - 23)  # noqa: E731
+    bound = ulp(p + 50) + ulp(p + d + 50)
+    err = (moved - at_pd).abs().flatten(1).max(1).values / at_pd.abs().flatten(1).max(1).values
+    assert err.max() <= bound, (err.max(), bound)
+    assert not torch.allclose(at_p, at_pd, atol=1e-2)  # the move was real
+
+
+def test_a_recomputed_row_never_attends_to_a_later_position(smol_runner, parts, chunks):
+    """Poison every row after the last recomputed one: recomputed outputs must not move."""
+    prefix, _, suffix = parts
+    policy = CacheBlend(ratio=0.3)
+    clean = fuse_and_prefill(smol_runner, prefix, chunks, suffix[:-3], policy, headroom=3)
+    poisoned = fuse_and_prefill(smol_runner, prefix, chunks, suffix[:-3], policy, headroom=3)
+    total = clean.layout.total
+    # the first token is the same either way; now recompute 3 rows with poison right after each
+    rows = torch.tensor([total - 40, total - 20, total - 1])
+    for res, poison in ((clean, False), (poisoned, True)):
+        if poison:
+            res.cache.k[:, :, total - 19 : total - 1] += 1e3
+            res.cache.v[:, :, total - 19 : total - 1] += 1e3
+        out = smol_runner.forward_selected(res.cache, res.token_ids[rows], rows, all_logits=True).logits
+        res.probe = out
+    assert torch.allclose(clean.probe[:2], poisoned.probe[:2], atol=1e-5)
+    assert not torch.allclose(clean.probe[2], poisoned.probe[2], atol=1e-2)  # the poison is visible to row total-1
+
+
+def test_make_policy_names_a_bad_mode():
+    assert make_policy("epic", k=8) == Epic(8)
+    with pytest.raises(ValueError, match="unknown mode 'turbo'"):
+        make_policy("turbo")
+    with pytest.raises(ValueError):
+        CacheBlend(ratio=1.5)
+
+
+def test_empty_suffix_is_refused(smol_runner, parts, chunks):
+    with pytest.raises(ValueError, match="suffix"):
+        fuse_and_prefill(smol_runner, parts[0], chunks, torch.empty(0, dtype=torch.long), Full())
