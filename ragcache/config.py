@@ -22,15 +22,56 @@ class Settings(BaseSettings):
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     max_new_tokens: int = 32
 
+    # metadata and the tiered KV store
+    database_url: str | None = None  # default: a SQLite file in `home`; or postgresql+psycopg://…
+    redis_url: str | None = None  # the shared remote tier, off unless set (redis://127.0.0.1:6379/0)
+    kv_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16 | float16 | int8
+    gpu_cache_bytes: int = 8 << 30  # used only when CUDA is present
+    cpu_cache_bytes: int = 2 << 30
+    disk_cache_bytes: int = 64 << 30
+    redis_cache_bytes: int = 4 << 30
+    eviction: str = "gdsf"  # lru | gdsf
+    write_policy: str = "write-through"  # write-through | write-back
+    share_across_namespaces: bool = False  # True: one cache entry per text for every tenant
+
     @field_validator("home")
     @classmethod
     def _expand(cls, v: Path) -> Path:
         return v.expanduser()
 
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'ragcache.db'}"
+
+    @field_validator("kv_dtype")
+    @classmethod
+    def _kv_dtype(cls, v: str) -> str:
+        return _one_of(v, ("auto", "float32", "bfloat16", "float16", "int8"), "kv_dtype")
+
+    @field_validator("eviction")
+    @classmethod
+    def _eviction(cls, v: str) -> str:
+        return _one_of(v, ("lru", "gdsf"), "eviction")
+
+    @field_validator("write_policy")
+    @classmethod
+    def _write_policy(cls, v: str) -> str:
+        return _one_of(v, ("write-through", "write-back"), "write_policy")
+
+    @field_validator("gpu_cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "redis_cache_bytes")
+    @classmethod
+    def _nonneg(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError("a capacity must be >= 0 bytes")
+        return v
+
     @field_validator("dtype")
     @classmethod
     def _dtype(cls, v: str) -> str:
-        allowed = ("auto", "float32", "bfloat16", "float16")
-        if v not in allowed:
-            raise ValueError(f"dtype must be one of {', '.join(allowed)}")
-        return v
+        return _one_of(v, ("auto", "float32", "bfloat16", "float16"), "dtype")
+
+
+def _one_of(value: str, allowed: tuple[str, ...], name: str) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}")
+    return value

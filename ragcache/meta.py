@@ -1,0 +1,186 @@
+"""Metadata in SQL (SQLAlchemy 2.0 typed ORM): SQLite file by default, PostgreSQL by URL.
+
+Tables: namespaces (per-tenant key salt), documents, chunks (a document's pieces and their
+precompute state), kv_entries (one stored chunk KV, shared by every chunk with the same key),
+jobs (precompute runs), model_defaults (what `calibrate` chose).
+
+Schema changes: the schema is created at start (`create_all`, idempotent) and carries a
+version in `schema_info`; a change bumps SCHEMA_VERSION and adds a step to `_MIGRATIONS`
+(plain DDL run once, in order), so an existing database is upgraded in place at start.
+"""
+from __future__ import annotations
+
+import secrets
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import Iterator
+
+from sqlalchemy import (BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text,
+                        create_engine, event, select, text)
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+SCHEMA_VERSION = 1
+_MIGRATIONS: dict[int, list[str]] = {}  # version → DDL statements that bring version-1 up to it
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class SchemaInfo(Base):
+    __tablename__ = "schema_info"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    version: Mapped[int] = mapped_column(Integer)
+
+
+class Namespace(Base):
+    __tablename__ = "namespaces"
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    salt: Mapped[str] = mapped_column(String(64))  # mixed into every KV key of this tenant
+    created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Document(Base):
+    __tablename__ = "documents"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    namespace: Mapped[str] = mapped_column(String(128), index=True)
+    external_id: Mapped[str] = mapped_column(String(512))
+    title: Mapped[str] = mapped_column(Text, default="")
+    text_hash: Mapped[str] = mapped_column(String(64))
+    created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    __table_args__ = (Index("ux_documents_ns_ext", "namespace", "external_id", unique=True),)
+
+
+class Chunk(Base):
+    __tablename__ = "chunks"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    document_id: Mapped[int] = mapped_column(ForeignKey("documents.id", ondelete="CASCADE"), index=True)
+    namespace: Mapped[str] = mapped_column(String(128), index=True)
+    ordinal: Mapped[int] = mapped_column(Integer)
+    text: Mapped[str] = mapped_column(Text)
+    n_tokens: Mapped[int] = mapped_column(Integer)
+    kv_key: Mapped[str] = mapped_column(String(64), index=True)
+    state: Mapped[str] = mapped_column(String(16), default="pending", index=True)  # pending/running/done/failed
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    job_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class KVEntry(Base):
+    __tablename__ = "kv_entries"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    n_tokens: Mapped[int] = mapped_column(Integer)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    checksum: Mapped[str] = mapped_column(String(32))
+    kv_dtype: Mapped[str] = mapped_column(String(16))
+    on_disk: Mapped[bool] = mapped_column(Boolean, default=False)
+    in_redis: Mapped[bool] = mapped_column(Boolean, default=False)
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False)
+    hits: Mapped[int] = mapped_column(Integer, default=0)
+    last_access: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    @property
+    def tiers(self) -> list[str]:
+        return [name for name, present in (("disk", self.on_disk), ("redis", self.in_redis)) if present]
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    namespace: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    state: Mapped[str] = mapped_column(String(16), default="running")  # running/finished
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    done: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    skipped: Mapped[int] = mapped_column(Integer, default=0)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    started: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class ModelDefault(Base):
+    __tablename__ = "model_defaults"
+    fingerprint: Mapped[str] = mapped_column(String(64), primary_key=True)
+    mode: Mapped[str] = mapped_column(String(32))
+    param: Mapped[float | None] = mapped_column(Float, nullable=True)
+    target_kl: Mapped[float] = mapped_column(Float)
+    measured_kl: Mapped[float] = mapped_column(Float)
+    speedup: Mapped[float] = mapped_column(Float)
+    dataset: Mapped[str] = mapped_column(Text)
+    created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Database:
+    """Engine + sessions. One per process; thread-safe (a session per `session()` call)."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.is_sqlite = url.startswith("sqlite")
+        kwargs = {"connect_args": {"timeout": 60, "check_same_thread": False}} if self.is_sqlite else {}
+        self.engine = create_engine(url, pool_pre_ping=True, **kwargs)
+        if self.is_sqlite:
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._create_schema()
+
+    def _create_schema(self) -> None:
+        Base.metadata.create_all(self.engine)
+        with self.session() as s:
+            info = s.get(SchemaInfo, 1)
+            if info is None:
+                try:
+                    with s.begin_nested():
+                        s.add(SchemaInfo(id=1, version=SCHEMA_VERSION))
+                except IntegrityError:  # another process created it first
+                    pass
+                return
+            for version in range(info.version + 1, SCHEMA_VERSION + 1):
+                for ddl in _MIGRATIONS.get(version, []):
+                    s.execute(text(ddl))
+                info.version = version
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A transaction: committed on success, rolled back on error."""
+        with self._sessions() as s, s.begin():
+            yield s
+
+    def namespace_salt(self, name: str, shared: bool) -> str:
+        """The tenant's key salt ("" when caching is shared across namespaces)."""
+        if shared:
+            return ""
+        with self.session() as s:
+            ns = s.get(Namespace, name)
+            if ns is not None:
+                return ns.salt
+            try:
+                with s.begin_nested():
+                    s.add(Namespace(name=name, salt=secrets.token_hex(16)))
+            except IntegrityError:  # created concurrently
+                pass
+        with self.session() as s:
+            return s.get(Namespace, name).salt
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+    cur.execute("PRAGMA synchronous=FULL")  # a committed row survives a crash
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA busy_timeout=60000")
+    cur.close()
+
+
+def namespaces_in_use(db: Database) -> list[str]:
+    with db.session() as s:
+        return list(s.scalars(select(Namespace.name)))

@@ -1,0 +1,31 @@
+"""The tiered chunk-KV store. `open_store` builds the tiers the settings ask for.
+
+    gpu (CUDA only) → cpu → disk (RAGCACHE_HOME/kv) → redis (when RAGCACHE_REDIS_URL is set)
+
+Layers never import upward: tiers know bytes or tensors, `tiered.py` knows tiers and SQL.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import Settings
+from ..meta import Database
+from .codec import CorruptBlob, StoredKV, decode, encode, kv_key
+from .disk import DiskTier
+from .memory import MemoryTier
+from .tiered import Hit, StoreFull, TieredStore
+
+__all__ = ["CorruptBlob", "Hit", "StoreFull", "StoredKV", "TieredStore", "decode", "encode", "kv_key", "open_store"]
+
+
+def open_store(settings: Settings, db: Database) -> TieredStore:
+    memory = []
+    if torch.cuda.is_available() and settings.gpu_cache_bytes > 0:
+        memory.append(MemoryTier("gpu", "cuda", settings.gpu_cache_bytes))
+    memory.append(MemoryTier("cpu", "cpu", settings.cpu_cache_bytes))
+    blobs = [DiskTier(settings.home / "kv", settings.disk_cache_bytes)]
+    if settings.redis_url:
+        from .redis import RedisTier
+
+        blobs.append(RedisTier(settings.redis_url, settings.redis_cache_bytes))
+    return TieredStore(db, memory, blobs, policy=settings.eviction, write_back=settings.write_policy == "write-back")

@@ -1,0 +1,287 @@
+"""TieredStore: memory tiers (gpu, cpu) over blob tiers (disk, redis), metadata rows in SQL.
+
+- lookup walks the tiers top-down and promotes a hit into the memory tiers;
+- put is write-through by default (blob tiers first, durable, then the SQL row: two-phase),
+  or write-back (memory only until evicted or flushed);
+- eviction (lru or gdsf, per tier) demotes: evicted from CPU, still on disk; pinned entries
+  are never evicted, and no tier goes over its capacity for an unpinned entry;
+- every blob is checked against the row's checksum on load; a bad or missing blob is dropped,
+  counted, and reported as a miss so the caller recomputes it.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from sqlalchemy import delete, select
+
+from ..meta import Database, KVEntry, utcnow
+from .codec import CorruptBlob, StoredKV, checksum, from_bytes, to_bytes
+from .policy import make_policy
+
+_FLAG = {"disk": "on_disk", "redis": "in_redis"}
+
+
+class StoreFull(Exception):
+    """A durable tier has no room even after evicting every unpinned entry."""
+
+
+@dataclass
+class Hit:
+    entry: StoredKV
+    tier: str  # where it came from: gpu, cpu, disk, redis
+
+
+class TieredStore:
+    def __init__(self, db: Database, memory_tiers: list, blob_tiers: list, policy: str = "lru",
+                 write_back: bool = False, orphan_grace_s: float = 60.0):
+        if not blob_tiers and not write_back:
+            raise ValueError("write-through needs at least one blob tier (disk or redis)")
+        self.db, self.memory, self.blobs = db, memory_tiers, blob_tiers
+        self.tiers = memory_tiers + blob_tiers
+        self.write_back = write_back
+        self._policy = {t.name: make_policy(policy) for t in self.tiers}
+        self._lock = threading.RLock()
+        self._pinned: set[str] = set()
+        self._dirty: set[str] = set()  # write-back entries with no durable blob yet
+        self._pending_hits: Counter[str] = Counter()
+        self.hits: Counter[str] = Counter()
+        self.misses: Counter[str] = Counter()
+        self.evictions: Counter[str] = Counter()
+        self.corrupt = 0
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-load")
+        self.recover(orphan_grace_s)
+
+    # ---- writes ------------------------------------------------------------------------------
+
+    def put(self, key: str, entry: StoredKV, *, pinned: bool = False) -> None:
+        if pinned:
+            with self._lock:
+                self._pinned.add(key)
+        if self.write_back:
+            with self._lock:
+                self._dirty.add(key)
+        else:
+            self._persist(key, entry, pinned)
+        self._admit(key, entry)
+
+    def _persist(self, key: str, entry: StoredKV, pinned: bool | None = None) -> None:
+        """Blob into every blob tier (durable first), then the row: a row never lacks its blob."""
+        blob = to_bytes(entry)
+        present = {}
+        for tier in self.blobs:
+            self._make_room(tier, len(blob), key)
+            tier.put(key, blob)
+            self._touch(tier, key, entry)
+            present[_FLAG[tier.name]] = True
+        with self.db.session() as s:
+            row = s.get(KVEntry, key)
+            if row is None:
+                row = KVEntry(key=key, n_tokens=entry.token_ids.numel(), bytes=len(blob), checksum=checksum(blob),
+                              kv_dtype=entry.kv_dtype)
+                s.add(row)
+            row.bytes, row.checksum = len(blob), checksum(blob)
+            for flag in present:
+                setattr(row, flag, True)
+            if pinned is not None:
+                row.pinned = row.pinned or pinned
+        with self._lock:
+            self._dirty.discard(key)
+
+    def _admit(self, key: str, entry: StoredKV, below: int | None = None) -> None:
+        """Insert into the memory tiers above index `below` (all of them by default)."""
+        for tier in self.memory[:below]:
+            if entry.nbytes > tier.capacity_bytes():
+                continue
+            with self._lock:
+                self._make_room(tier, entry.nbytes, key)
+                if tier.used_bytes() + entry.nbytes > tier.capacity_bytes() and key not in self._pinned:
+                    continue  # only pinned entries left: not admitted here
+                tier.put(key, entry)
+                self._touch(tier, key, entry)
+
+    def _touch(self, tier, key: str, entry: StoredKV) -> None:
+        with self._lock:
+            self._policy[tier.name].touch(key, entry.nbytes, float(entry.token_ids.numel()))
+
+    def _make_room(self, tier, incoming: int, incoming_key: str) -> None:
+        """Evict (demote) unpinned entries until `incoming` bytes fit."""
+        while True:
+            with self._lock:
+                if tier.used_bytes() + incoming <= tier.capacity_bytes():
+                    return
+                victim = self._policy[tier.name].victim(skip=self._pinned | {incoming_key})
+                if victim is None:
+                    if tier.holds_blobs and incoming_key not in self._pinned:
+                        raise StoreFull(f"{tier.name} tier is full of pinned entries")
+                    return
+                self._policy[tier.name].remove(victim)
+                value = tier.get(victim)
+                tier.delete(victim)
+                self.evictions[tier.name] += 1
+            self._demoted(tier, victim, value)
+
+    def _demoted(self, tier, key: str, value) -> None:
+        """After `key` left `tier`: keep it one level down, or record that it is gone from there."""
+        if not tier.holds_blobs:
+            idx = self.memory.index(tier)
+            if idx + 1 < len(self.memory):
+                self._admit_one(self.memory[idx + 1], key, value)
+            elif key in self._dirty:
+                self._persist(key, value)
+            return
+        with self.db.session() as s:
+            row = s.get(KVEntry, key)
+            if row is not None:
+                setattr(row, _FLAG[tier.name], False)
+                if not row.on_disk and not row.in_redis:
+                    s.delete(row)
+
+    def _admit_one(self, tier, key: str, entry: StoredKV) -> None:
+        with self._lock:
+            self._make_room(tier, entry.nbytes, key)
+            if tier.used_bytes() + entry.nbytes <= tier.capacity_bytes():
+                tier.put(key, entry)
+                self._touch(tier, key, entry)
+
+    def flush(self) -> None:
+        """Write-back entries made durable; pending hit counts written to their rows."""
+        for key in list(self._dirty):
+            entry = next((t.get(key) for t in self.memory if t.contains(key)), None)
+            if entry is not None:
+                self._persist(key, entry)
+        with self._lock:
+            pending, self._pending_hits = self._pending_hits, Counter()
+        if pending:
+            now = utcnow()
+            with self.db.session() as s:
+                for row in s.scalars(select(KVEntry).where(KVEntry.key.in_(list(pending)))):
+                    row.hits += pending[row.key]
+                    row.last_access = now
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    def get(self, key: str) -> Hit | None:
+        for i, tier in enumerate(self.memory):
+            entry = tier.get(key)
+            if entry is None:
+                self.misses[tier.name] += 1
+                continue
+            self._record_hit(tier, key, entry)
+            self._admit(key, entry, below=i)  # promote into the tiers above
+            return Hit(entry, tier.name)
+        with self.db.session() as s:
+            row = s.get(KVEntry, key)
+            expected = None if row is None else (row.checksum, {t: getattr(row, f) for t, f in _FLAG.items()})
+        if expected is None:
+            for tier in self.blobs:
+                self.misses[tier.name] += 1
+            return None
+        csum, present = expected
+        for tier in self.blobs:
+            if not present.get(tier.name):
+                self.misses[tier.name] += 1
+                continue
+            entry = self._load_blob(tier, key, csum)
+            if entry is None:
+                self.misses[tier.name] += 1
+                continue
+            self._record_hit(tier, key, entry)
+            self._admit(key, entry)
+            return Hit(entry, tier.name)
+        return None
+
+    def get_many(self, keys: list[str]) -> list[Hit | None]:
+        """A request's chunks, loaded concurrently (disk and Redis reads overlap)."""
+        return list(self._pool.map(self.get, keys))
+
+    def _load_blob(self, tier, key: str, csum: str) -> StoredKV | None:
+        blob = tier.get(key)
+        if blob is not None:
+            try:
+                if checksum(blob) != csum:
+                    raise CorruptBlob(f"checksum mismatch for {key} in {tier.name}")
+                return from_bytes(blob)
+            except CorruptBlob:
+                with self._lock:
+                    self.corrupt += 1
+        tier.delete(key)  # missing or bad: drop it, never serve it
+        self._demoted(tier, key, None)
+        return None
+
+    def _record_hit(self, tier, key: str, entry: StoredKV) -> None:
+        with self._lock:
+            self.hits[tier.name] += 1
+            self._pending_hits[key] += 1
+            if tier.name in self._policy:
+                self._policy[tier.name].touch(key, entry.nbytes, float(entry.token_ids.numel()))
+            flush = len(self._pending_hits) >= 256
+        if flush:
+            self.flush()
+
+    def contains(self, key: str) -> bool:
+        if any(t.contains(key) for t in self.memory):
+            return True
+        with self.db.session() as s:
+            return s.get(KVEntry, key) is not None
+
+    # ---- management --------------------------------------------------------------------------
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            for tier in self.tiers:
+                tier.delete(key)
+                self._policy[tier.name].remove(key)
+            self._pinned.discard(key)
+            self._dirty.discard(key)
+        with self.db.session() as s:
+            s.execute(delete(KVEntry).where(KVEntry.key == key))
+
+    def pin(self, key: str, pinned: bool = True) -> None:
+        with self._lock:
+            (self._pinned.add if pinned else self._pinned.discard)(key)
+        with self.db.session() as s:
+            row = s.get(KVEntry, key)
+            if row is not None:
+                row.pinned = pinned
+
+    def recover(self, orphan_grace_s: float = 60.0) -> dict[str, int]:
+        """At start: rows whose blob is gone are repaired, blobs without a row are removed."""
+        fixed = Counter()
+        with self.db.session() as s:
+            rows = list(s.scalars(select(KVEntry)))
+            for row in rows:
+                for tier in self.blobs:
+                    flag = _FLAG[tier.name]
+                    if getattr(row, flag) and not tier.contains(row.key):
+                        setattr(row, flag, False)
+                        fixed["missing_blob"] += 1
+                if row.pinned:
+                    self._pinned.add(row.key)
+                if not row.on_disk and not row.in_redis:
+                    s.delete(row)
+                    fixed["dropped_row"] += 1
+            known = {r.key for r in rows if r.on_disk or r.in_redis}
+        for tier in self.blobs:
+            if hasattr(tier, "sweep"):
+                fixed["orphan_blob"] += tier.sweep(known, orphan_grace_s)
+            for key in tier.keys():
+                if key in known:
+                    self._policy[tier.name].touch(key, 1, 1.0)
+        return dict(fixed)
+
+    def stats(self) -> dict:
+        self.flush()
+        return {
+            "tiers": [{"name": t.name, "entries": len(t.keys()), "used_bytes": t.used_bytes(),
+                       "capacity_bytes": t.capacity_bytes(), "hits": self.hits[t.name],
+                       "misses": self.misses[t.name], "evictions": self.evictions[t.name]} for t in self.tiers],
+            "corrupt_dropped": self.corrupt,
+            "pinned": len(self._pinned),
+        }
+
+    def close(self) -> None:
+        self.flush()
+        self._pool.shutdown(wait=True)

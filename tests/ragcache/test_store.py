@@ -1,0 +1,289 @@
+"""The tiered KV store against real servers: a SQLite file and PostgreSQL, a disk tier, Redis."""
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from sqlalchemy import select
+
+from ragcache.meta import Database, KVEntry
+from ragcache.store import StoreFull, TieredStore, decode, encode, kv_key
+from ragcache.store.codec import checksum, from_bytes, to_bytes
+from ragcache.store.disk import DiskTier
+from ragcache.store.memory import MemoryTier
+from ragcache.store.policy import GDSF, LRU
+from ragcache.store.redis import RedisTier
+
+from .conftest import REDIS_URL, fake_chunk
+
+ENTRY_BYTES = encode(fake_chunk(0), "float32").nbytes
+
+
+def make_store(db, tmp_path, *, cpu_entries=100, disk_entries=1000, redis_prefix=None, policy="lru",
+               write_back=False, grace=60.0) -> TieredStore:
+    memory = [MemoryTier("cpu", "cpu", cpu_entries * ENTRY_BYTES)]
+    blobs = [DiskTier(tmp_path / "kv", disk_entries * (ENTRY_BYTES + 1024))]
+    if redis_prefix:
+        blobs.append(RedisTier(REDIS_URL, 1 << 30, prefix=redis_prefix))
+    return TieredStore(db, memory, blobs, policy=policy, write_back=write_back, orphan_grace_s=grace)
+
+
+def _close(chunk, restored, kv_dtype):
+    for a, b in ((chunk.k, restored.k), (chunk.v, restored.v)):
+        if kv_dtype == "float32":
+            assert torch.equal(a, b)
+        elif kv_dtype == "int8":  # symmetric, one scale per (layer, head, token): half a step at most
+            bound = a.abs().amax(dim=-1, keepdim=True) / 254 + 1e-6
+            assert ((a - b).abs() <= bound).all()
+        else:
+            assert torch.allclose(a, b, rtol=1e-2, atol=1e-2)
+    assert torch.equal(chunk.token_ids, restored.token_ids)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16", "int8"])
+def test_round_trip_through_every_tier(db, tmp_path, redis_prefix, kv_dtype):
+    store = make_store(db, tmp_path, redis_prefix=redis_prefix)
+    chunk = fake_chunk(1)
+    store.put("k1", encode(chunk, kv_dtype))
+    hit = store.get("k1")
+    assert hit.tier == "cpu"
+    _close(chunk, decode(hit.entry, torch.float32, torch.device("cpu")), kv_dtype)
+    reopened = make_store(db, tmp_path, redis_prefix=redis_prefix)  # empty memory: the disk serves it
+    hit = reopened.get("k1")
+    assert hit.tier == "disk"
+    _close(chunk, decode(hit.entry, torch.float32, torch.device("cpu")), kv_dtype)
+    assert reopened.get("k1").tier == "cpu"  # promoted on that hit
+    DiskTier(tmp_path / "kv", 1 << 30).delete("k1")
+    third = make_store(db, tmp_path, redis_prefix=redis_prefix)
+    hit = third.get("k1")
+    assert hit.tier == "redis"
+    _close(chunk, decode(hit.entry, torch.float32, torch.device("cpu")), kv_dtype)
+
+
+def test_int8_is_a_quarter_of_float32():
+    chunk = fake_chunk(2, n=64, hd=64)
+    f32, i8 = encode(chunk, "float32"), encode(chunk, "int8")
+    assert i8.nbytes < 0.3 * f32.nbytes
+
+
+def test_eviction_demotes_and_a_hit_promotes(db, tmp_path):
+    store = make_store(db, tmp_path, cpu_entries=2)
+    for i in range(3):
+        store.put(f"k{i}", encode(fake_chunk(i), "float32"))
+    cpu = store.memory[0]
+    assert sorted(cpu.keys()) == ["k1", "k2"]  # LRU: k0 went down to disk
+    assert cpu.used_bytes() <= cpu.capacity_bytes()
+    assert store.get("k0").tier == "disk" and sorted(cpu.keys()) == ["k0", "k2"]
+    assert store.evictions["cpu"] == 2
+
+
+def test_pinned_entries_are_never_evicted(db, tmp_path):
+    store = make_store(db, tmp_path, cpu_entries=2)
+    store.put("pinned", encode(fake_chunk(0), "float32"), pinned=True)
+    for i in range(5):
+        store.put(f"k{i}", encode(fake_chunk(i + 1), "float32"))
+        assert store.memory[0].contains("pinned")
+    with db.session() as s:
+        assert s.get(KVEntry, "pinned").pinned
+
+
+def test_disk_full_of_pinned_entries_refuses_more(db, tmp_path):
+    store = make_store(db, tmp_path, cpu_entries=1, disk_entries=2)
+    store.put("a", encode(fake_chunk(0), "float32"), pinned=True)
+    store.put("b", encode(fake_chunk(1), "float32"), pinned=True)
+    with pytest.raises(StoreFull):
+        store.put("c", encode(fake_chunk(2), "float32"))
+
+
+def test_lru_and_gdsf_orders():
+    lru = LRU()
+    for k in "abc":
+        lru.touch(k, 10, 1.0)
+    lru.touch("a", 10, 1.0)
+    assert lru.victim() == "b" and lru.victim(skip={"b"}) == "c"
+    gdsf = GDSF()
+    gdsf.touch("cheap", 100, 1.0)  # priority 0.01
+    gdsf.touch("costly", 100, 50.0)  # priority 0.5
+    for _ in range(3):
+        gdsf.touch("popular", 100, 1.0)  # hits 3 → 0.03
+    assert gdsf.victim() == "cheap"
+    gdsf.remove("cheap")
+    assert gdsf.clock == pytest.approx(0.01)
+    assert gdsf.victim() == "popular"  # 0.03 < 0.5: size-normalised cost beats a few hits
+
+
+@pytest.mark.parametrize("policy", ["lru", "gdsf"])
+def test_capacity_is_never_exceeded(db, tmp_path, policy):
+    store = make_store(db, tmp_path, cpu_entries=3, disk_entries=6, policy=policy)
+    rng = random.Random(0)
+    for step in range(60):
+        key = f"k{rng.randrange(12)}"
+        if rng.random() < 0.5:
+            store.put(key, encode(fake_chunk(rng.randrange(100), n=rng.choice([8, 16])), "float32"))
+        else:
+            store.get(key)
+        for tier in store.tiers:
+            assert tier.used_bytes() <= tier.capacity_bytes(), (step, tier.name)
+
+
+def _blob_path(tmp_path, key):
+    return next((tmp_path / "kv").glob(f"*/{key}.safetensors"))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_disk_blob_is_detected_dropped_and_a_miss(db, tmp_path, damage):
+    make_store(db, tmp_path).put("k", encode(fake_chunk(3), "float32"))
+    path = _blob_path(tmp_path, "k")
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x40
+    else:
+        data = data[: len(data) // 3]
+    path.write_bytes(bytes(data))
+    store = make_store(db, tmp_path)
+    assert store.get("k") is None
+    assert store.corrupt == 1 and not path.exists()
+    with db.session() as s:
+        assert s.get(KVEntry, "k") is None  # nothing else held it: the entry is gone, to be recomputed
+
+
+def test_corrupt_redis_blob_is_detected_and_the_disk_copy_is_untouched(db, tmp_path, redis_prefix):
+    import redis
+
+    make_store(db, tmp_path, redis_prefix=redis_prefix).put("k", encode(fake_chunk(4), "float32"))
+    DiskTier(tmp_path / "kv", 1 << 30).delete("k")  # force the read to Redis
+    redis.Redis.from_url(REDIS_URL).setrange(redis_prefix + "k", 200, b"\xff\xfe")
+    store = make_store(db, tmp_path, redis_prefix=redis_prefix)
+    assert store.get("k") is None and store.corrupt == 1
+    assert not redis.Redis.from_url(REDIS_URL).exists(redis_prefix + "k")
+
+
+def test_row_whose_blob_vanished_is_repaired_on_lookup(db, tmp_path):
+    store = make_store(db, tmp_path, cpu_entries=0)
+    store.put("k", encode(fake_chunk(5), "float32"))
+    _blob_path(tmp_path, "k").unlink()
+    assert store.get("k") is None
+    with db.session() as s:
+        assert s.get(KVEntry, "k") is None
+
+
+def test_write_back_commits_the_row_only_once_the_blob_is_durable(db, tmp_path):
+    store = make_store(db, tmp_path, cpu_entries=2, write_back=True)
+    store.put("a", encode(fake_chunk(6), "float32"))
+    with db.session() as s:
+        assert s.get(KVEntry, "a") is None
+    store.put("b", encode(fake_chunk(7), "float32"))
+    store.put("c", encode(fake_chunk(8), "float32"))  # evicts a: written down now
+    with db.session() as s:
+        assert s.get(KVEntry, "a").on_disk and s.get(KVEntry, "b") is None
+    store.flush()
+    with db.session() as s:
+        assert {r.key for r in s.scalars(select(KVEntry))} == {"a", "b", "c"}
+
+
+def test_keys_separate_tenants_unless_sharing_is_on(db):
+    salt_a, salt_b = db.namespace_salt("a", shared=False), db.namespace_salt("b", shared=False)
+    assert salt_a != salt_b and db.namespace_salt("a", shared=False) == salt_a
+    ids = torch.arange(10)
+    assert kv_key("fp", ids, "", "float32", salt_a) != kv_key("fp", ids, "", "float32", salt_b)
+    assert db.namespace_salt("a", shared=True) == db.namespace_salt("b", shared=True) == ""
+    assert kv_key("fp", ids, "", "float32", "") != kv_key("fp", ids, "", "int8", "")
+    assert kv_key("fp", ids, "", "float32", "") != kv_key("fp", ids, "prefix", "float32", "")
+
+
+_WRITER = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {root!r})
+    from tests.ragcache.conftest import fake_chunk
+    from tests.ragcache.test_store import make_store
+    from ragcache.meta import Database
+    from ragcache.store import encode
+    from pathlib import Path
+    store = make_store(Database({url!r}), Path({tmp!r}), cpu_entries=4, disk_entries=100000)
+    print("ready", flush=True)
+    i = {start}
+    while True:
+        store.put(f"k{{i}}", encode(fake_chunk(i, n=64), "float32"))
+        i += 1
+""")
+
+
+def test_killed_writer_leaves_every_row_with_a_valid_blob(db_url, tmp_path):
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    rng = random.Random(1)
+    start = 0
+    for round_ in range(10):
+        code = _WRITER.format(root=root, url=db_url, tmp=str(tmp_path), start=start)
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.05, 0.6))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        start += 10_000
+        db = Database(db_url)
+        store = make_store(db, tmp_path, grace=0.0)  # the writer is dead: every orphan can go
+        with db.session() as s:
+            rows = list(s.scalars(select(KVEntry)))
+        disk = store.blobs[0]
+        assert {r.key for r in rows} == set(disk.keys()), f"round {round_}: rows and blobs disagree"
+        assert not list((tmp_path / "kv").glob("*/.*.tmp"))
+        for r in rows:
+            blob = disk.get(r.key)
+            assert checksum(blob) == r.checksum and from_bytes(blob).token_ids.numel() == 64
+        assert all(store.get(r.key) is not None for r in rows[-5:])
+        db.dispose()
+    assert rows, "the writer never committed anything"
+
+
+def test_eight_threads_lose_and_tear_nothing(db, tmp_path):
+    store = make_store(db, tmp_path, cpu_entries=8, disk_entries=10_000)
+    written: dict[str, int] = {}
+    errors: list[str] = []
+    stop = time.monotonic() + 3.0
+    lock = threading.Lock()
+
+    def worker(t: int):
+        rng = random.Random(t)
+        i = 0
+        while time.monotonic() < stop:
+            if rng.random() < 0.4 or not written:
+                key, seed = f"t{t}-{i}", t * 100_000 + i
+                store.put(key, encode(fake_chunk(seed), "float32"))
+                with lock:
+                    written[key] = seed
+                i += 1
+            else:
+                with lock:
+                    key, seed = rng.choice(list(written.items()))
+                hit = store.get(key)
+                if hit is None or not torch.equal(hit.entry.k, fake_chunk(seed).k):
+                    errors.append(f"{key}: {'missing' if hit is None else 'torn'}")
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[:5]
+    assert len(written) > 50
+    for key, seed in written.items():
+        assert torch.equal(store.get(key).entry.v, fake_chunk(seed).v)
+
+
+def test_blob_bytes_round_trip_and_garbage_is_corrupt():
+    from ragcache.store import CorruptBlob
+
+    entry = encode(fake_chunk(9), "int8")
+    back = from_bytes(to_bytes(entry))
+    assert torch.equal(back.k, entry.k) and torch.equal(back.k_scale, entry.k_scale) and back.kv_dtype == "int8"
+    with pytest.raises(CorruptBlob):
+        from_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{nope")
