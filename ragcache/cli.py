@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
 
     b = sub.add_parser("bench", help="benchmarks whose output goes into BENCHMARKS.md")
-    b.add_argument("what", choices=["load", "prefill", "blend"])
+    b.add_argument("what", choices=["load", "prefill", "blend", "store"])
     b.add_argument("--tokens", type=int, default=2048, help="prefill: input length")
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument("--dataset", default="../shared/data/musique_dev.json", help="blend: MuSiQue-format file")

@@ -80,3 +80,16 @@ def test_selected_attention_reference_is_causal_by_absolute_position():
             kv = head // 2
             w = torch.softmax(q[i, head] @ k[kv, : p + 1].T * 0.25, dim=0)
             assert torch.allclose(out[i, head], w @ v[kv, : p + 1], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,n,hd", [(90, 33, 64), (4, 1, 128), (1, 200, 16)])
+def test_dequantize_int8_matches_reference(dtype, b, n, hd):
+    g = torch.Generator().manual_seed(8)
+    q = torch.randint(-127, 128, (b, n, hd), generator=g, dtype=torch.int8).to(DEVICE)
+    scale = (torch.rand(b, n, generator=g) * 0.1).to(DEVICE)
+    ours = triton_ops.dequantize_int8(q, scale, dtype)
+    ref = reference.dequantize_int8(q, scale, dtype)
+    assert ours.dtype == dtype
+    # bfloat16: the interpreter may round the last bit differently from torch; one ulp apart at most
+    assert torch.allclose(ours.float(), ref.float(), rtol=2**-7 if dtype == torch.bfloat16 else 0, atol=0)
