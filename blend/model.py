@@ -77,6 +77,9 @@ def load_model(spec: str | None, home: Path, device: str = "auto", dtype: str = 
         raise ModelError(f"no HF model at {path} (config.json missing): pass a local checkpoint directory")
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     check_architecture(config, str(path))

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 
 from blend.model import ModelError
 
+from .config import MODES
 from .errors import UserError
 
 
@@ -23,11 +24,70 @@ def _bench(args, settings) -> int:
     return run_bench(settings, args)
 
 
+def _ingest(args, settings) -> int:
+    from .service import RagCache
+
+    service = RagCache(settings)
+    report = service.ingest(args.path, args.namespace)
+    print(report.line())
+    counts = service.counts(args.namespace)
+    print("chunks by state: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+    service.close()
+    return 0
+
+
+def _precompute(args, settings) -> int:
+    from .precompute import run_precompute
+
+    summary = run_precompute(settings, workers=args.workers, namespace=args.namespace, progress=not args.quiet)
+    print(summary.line())
+    return 0
+
+
+def _search(args, settings) -> int:
+    from .service import RagCache
+
+    service = RagCache(settings)
+    for hit in service.search(args.query, args.namespace, args.k):
+        words = " ".join(hit.text.split()[:14])
+        print(f"{hit.id:>7}  {hit.score:.4f}  {hit.doc_id}  {words}…")
+    service.close()
+    return 0
+
+
+def _ask(args, settings) -> int:
+    import json
+
+    from .service import RagCache
+
+    service = RagCache(settings)
+    out = service.generate(args.question, args.namespace, args.k, args.mode, ratio=args.ratio, k=args.epic_k,
+                           max_new_tokens=args.max_new_tokens)
+    service.close()
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(out["answer"])
+    t, u = out["timings_ms"], out["usage"]
+    print(f"\nTTFT {t['ttft']:.0f} ms (retrieve {t['retrieve']:.0f}, load {t['load']:.0f}, blend {t['blend']:.0f}); "
+          f"decode {t['decode']:.0f} ms; total {t['total']:.0f} ms")
+    print(f"prompt {u['prompt_tokens']} tokens, recomputed {u['recomputed_tokens']}, "
+          f"completion {u['completion_tokens']}; chunks from " + ", ".join(c["tier"] for c in out["chunks"]))
+    return 0
+
+
 def _later(issue: str):
     def run(args, settings) -> int:
         raise UserError(f"'ragcache {args.command}' is not built yet: it arrives with {issue}")
 
     return run
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,9 +112,35 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chunk-prefill", choices=["alone", "prefixed"], default="alone")
     b.set_defaults(func=_bench)
 
-    for name, issue in [("ingest", "the precompute issue"), ("precompute", "the precompute issue"),
-                        ("search", "the precompute issue"), ("ask", "the precompute issue"),
-                        ("serve", "the REST API issue"), ("eval", "the evaluation issue"),
+    i = sub.add_parser("ingest", help="add documents: a .jsonl, a MuSiQue-format .json, or a folder of .txt/.md")
+    i.add_argument("path")
+    i.add_argument("--namespace", default="default")
+    i.set_defaults(func=_ingest)
+
+    pc = sub.add_parser("precompute", help="prefill, store, embed and index every pending chunk (resumable)")
+    pc.add_argument("--workers", type=_positive, default=1)
+    pc.add_argument("--namespace", default=None, help="only this namespace (default: all)")
+    pc.add_argument("--quiet", action="store_true", help="no progress bar")
+    pc.set_defaults(func=_precompute)
+
+    se = sub.add_parser("search", help="the top-k chunks for a query")
+    se.add_argument("query")
+    se.add_argument("-k", type=_positive, default=None)
+    se.add_argument("--namespace", default="default")
+    se.set_defaults(func=_search)
+
+    a = sub.add_parser("ask", help="retrieve, blend, answer")
+    a.add_argument("question")
+    a.add_argument("-k", type=_positive, default=None, help="chunks to retrieve")
+    a.add_argument("--mode", choices=MODES, default=None)
+    a.add_argument("--ratio", type=float, default=None, help="cacheblend: share of context rows recomputed")
+    a.add_argument("--epic-k", type=int, default=None, help="epic: tokens recomputed at each chunk's start")
+    a.add_argument("--max-new-tokens", type=_positive, default=None)
+    a.add_argument("--namespace", default="default")
+    a.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    a.set_defaults(func=_ask)
+
+    for name, issue in [("serve", "the REST API issue"), ("eval", "the evaluation issue"),
                         ("calibrate", "the evaluation issue")]:
         sub.add_parser(name, help=f"(arrives with {issue})").set_defaults(func=_later(issue))
     return p

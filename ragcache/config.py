@@ -6,6 +6,7 @@ from pathlib import Path
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+MODES = ("full", "prefix", "reuse", "cacheblend", "epic", "auto")
 DEFAULT_SYSTEM_PROMPT = (
     "You will be asked a question after reading several passages. "
     "Answer it directly from the passages, in a few words. Do not repeat the question."
@@ -34,6 +35,19 @@ class Settings(BaseSettings):
     write_policy: str = "write-through"  # write-through | write-back
     share_across_namespaces: bool = False  # True: one cache entry per text for every tenant
 
+    # corpus, retrieval, precompute
+    chunk_tokens: int = 512
+    chunk_prefill: str = "alone"  # alone | prefixed (behind the system prompt)
+    index_kind: str = "flat"  # flat | ivf | hnsw
+    precompute_batch: int = 8
+    lease_seconds: int = 600  # a claimed chunk goes back to the pool if its worker is silent this long
+
+    # generation defaults
+    top_k: int = 4
+    mode: str = "cacheblend"  # full | prefix | reuse | cacheblend | epic | auto
+    cacheblend_ratio: float = 0.15
+    epic_k: int = 16
+
     @field_validator("home")
     @classmethod
     def _expand(cls, v: Path) -> Path:
@@ -47,6 +61,28 @@ class Settings(BaseSettings):
     @classmethod
     def _kv_dtype(cls, v: str) -> str:
         return _one_of(v, ("auto", "float32", "bfloat16", "float16", "int8"), "kv_dtype")
+
+    @field_validator("chunk_prefill")
+    @classmethod
+    def _chunk_prefill(cls, v: str) -> str:
+        return _one_of(v, ("alone", "prefixed"), "chunk_prefill")
+
+    @field_validator("index_kind")
+    @classmethod
+    def _index_kind(cls, v: str) -> str:
+        return _one_of(v, ("flat", "ivf", "hnsw"), "index_kind")
+
+    @field_validator("mode")
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        return _one_of(v, MODES, "mode")
+
+    @field_validator("chunk_tokens", "precompute_batch", "top_k", "lease_seconds")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError("must be >= 1")
+        return v
 
     @field_validator("eviction")
     @classmethod

@@ -15,8 +15,8 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Iterator
 
-from sqlalchemy import (BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text,
-                        create_engine, event, select, text)
+from sqlalchemy import (BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, LargeBinary, String, Text,
+                        create_engine, event, text)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
@@ -64,11 +64,17 @@ class Chunk(Base):
     ordinal: Mapped[int] = mapped_column(Integer)
     text: Mapped[str] = mapped_column(Text)
     n_tokens: Mapped[int] = mapped_column(Integer)
-    kv_key: Mapped[str] = mapped_column(String(64), index=True)
+    token_ids: Mapped[bytes] = mapped_column(LargeBinary)  # int32, the model's tokenizer
+    model: Mapped[str] = mapped_column(String(64))  # fingerprint of the model whose tokenizer made them
+    kv_key: Mapped[str | None] = mapped_column(String(64), index=True, nullable=True)  # set when done
+    embedding: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)  # float32, set when done
     state: Mapped[str] = mapped_column(String(16), default="pending", index=True)  # pending/running/done/failed
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     job_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    claimed_by: Mapped[str | None] = mapped_column(String(128), nullable=True)  # host:pid:invocation
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    __table_args__ = (Index("ux_chunks_doc_ordinal", "document_id", "ordinal", unique=True),)
 
 
 class KVEntry(Base):
@@ -179,8 +185,3 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur.execute("PRAGMA foreign_keys=ON")
     cur.execute("PRAGMA busy_timeout=60000")
     cur.close()
-
-
-def namespaces_in_use(db: Database) -> list[str]:
-    with db.session() as s:
-        return list(s.scalars(select(Namespace.name)))

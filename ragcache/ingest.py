@@ -1,0 +1,76 @@
+"""Documents into SQL: new ones added, unchanged ones left alone, changed ones replaced.
+
+Replacing a document removes its old chunks' rows, their index vectors and the KV entries
+no other chunk still uses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from sqlalchemy import delete, func, select
+
+from .chunking import Document, chunk_document
+from .meta import Chunk, Database
+from .meta import Document as DocRow
+
+
+@dataclass
+class IngestReport:
+    added: int = 0
+    unchanged: int = 0
+    replaced: int = 0
+    chunks_added: int = 0
+    chunks_removed: int = 0
+    removed_chunk_ids: list[int] = field(default_factory=list)
+    orphan_kv_keys: list[str] = field(default_factory=list)  # KV entries no chunk references any more
+
+    def line(self) -> str:
+        return (f"documents: added={self.added} unchanged={self.unchanged} replaced={self.replaced}; "
+                f"chunks: added={self.chunks_added} removed={self.chunks_removed}")
+
+
+def ingest_documents(db: Database, tokenizer, fingerprint: str, docs: list[Document], namespace: str,
+                     max_tokens: int) -> IngestReport:
+    report = IngestReport()
+    with db.session() as s:
+        existing = {d.external_id: d for d in s.scalars(select(DocRow).where(DocRow.namespace == namespace))}
+        for doc in docs:
+            row = existing.get(doc.external_id)
+            if row is not None and row.text_hash == doc.text_hash:
+                report.unchanged += 1
+                continue
+            if row is not None:
+                old = list(s.scalars(select(Chunk).where(Chunk.document_id == row.id)))
+                report.removed_chunk_ids += [c.id for c in old]
+                report.orphan_kv_keys += [c.kv_key for c in old if c.kv_key]
+                report.chunks_removed += len(old)
+                s.execute(delete(Chunk).where(Chunk.document_id == row.id))
+                row.title, row.text_hash = doc.title, doc.text_hash
+                report.replaced += 1
+            else:
+                row = DocRow(namespace=namespace, external_id=doc.external_id, title=doc.title,
+                             text_hash=doc.text_hash)
+                s.add(row)
+                s.flush()
+                existing[doc.external_id] = row
+                report.added += 1
+            for spec in chunk_document(tokenizer, doc, max_tokens):
+                s.add(Chunk(document_id=row.id, namespace=namespace, ordinal=spec.ordinal, text=spec.text,
+                            n_tokens=len(spec.token_ids), token_ids=np.asarray(spec.token_ids, np.int32).tobytes(),
+                            model=fingerprint))
+                report.chunks_added += 1
+        s.flush()
+        if report.orphan_kv_keys:
+            still_used = set(s.scalars(select(Chunk.kv_key).where(Chunk.kv_key.in_(report.orphan_kv_keys))))
+            report.orphan_kv_keys = sorted(set(report.orphan_kv_keys) - still_used)
+    return report
+
+
+def corpus_counts(db: Database, namespace: str | None = None) -> dict[str, int]:
+    """Chunks per precompute state."""
+    with db.session() as s:
+        q = select(Chunk.state, func.count()).group_by(Chunk.state)
+        if namespace is not None:
+            q = q.where(Chunk.namespace == namespace)
+        return dict(s.execute(q).all())

@@ -1,0 +1,249 @@
+"""The precompute job: prefill every pending chunk's KV once, store it, embed it, index it.
+
+Per-chunk state lives in SQL (pending → running → done | failed), so a job killed at any moment
+resumes where it stopped, no chunk is counted done twice (the state change and the job's
+counter commit together, and only for the worker that holds the claim), and progress is
+readable by anyone. Workers claim small batches: on PostgreSQL with SELECT … FOR UPDATE SKIP
+LOCKED, so processes on several machines share a job; on SQLite one worker at a time (a file
+lock), and a second one is told so. Embeddings are written to the chunk rows; the FAISS index
+is brought in line with SQL when the job ends (and at every service start).
+"""
+from __future__ import annotations
+
+import fcntl
+import multiprocessing
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+from sqlalchemy import func, or_, select, update
+
+from .config import Settings
+from .errors import UserError
+from .meta import Chunk, Database, Job, utcnow
+
+
+@dataclass
+class Summary:
+    done: int
+    failed: int
+    skipped: int
+
+    def line(self) -> str:
+        return f"done={self.done} failed={self.failed} skipped={self.skipped}"
+
+
+def run_precompute(settings: Settings, workers: int = 1, namespace: str | None = None,
+                   progress: bool = True) -> Summary:
+    db = Database(settings.db_url)
+    lock = _single_writer_lock(settings, db, workers)
+    try:
+        invocation = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        _release_dead_claims(db, db.is_sqlite)
+        skipped = _count(db, namespace, "done")
+        job_id = _join_or_start_job(db, namespace)
+        pending = _count(db, namespace, "pending")
+        bar = _bar(pending, progress)
+        if workers == 1:
+            from .service import RagCache
+
+            _work(RagCache(settings), job_id, namespace, f"{invocation}:0",
+                  on_batch=lambda n: bar.update(n) if bar else None)
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            threads = max(1, (os.cpu_count() or 1) // workers)
+            procs = [ctx.Process(target=_worker_main, args=(settings.model_dump(), job_id, namespace,
+                                                            f"{invocation}:{i}", threads)) for i in range(workers)]
+            for p in procs:
+                p.start()
+            seen = 0
+            while any(p.is_alive() for p in procs):
+                time.sleep(0.5)
+                now = _count(db, namespace, "done", by=invocation) + _count(db, namespace, "failed", by=invocation)
+                if bar:
+                    bar.update(now - seen)
+                seen = now
+            for p in procs:
+                p.join()
+        if bar:
+            bar.close()
+        summary = Summary(_count(db, namespace, "done", by=invocation), _count(db, namespace, "failed", by=invocation),
+                          skipped)
+        _finish_job_if_empty(db, job_id, namespace)
+        from .service import RagCache
+
+        service = RagCache(settings)
+        for ns in _namespaces(db, namespace):
+            service.sync_index(ns)
+        service.close()
+        return summary
+    finally:
+        if lock is not None:
+            lock.close()
+        db.dispose()
+
+
+def _worker_main(settings: dict, job_id: int, namespace: str | None, worker: str, threads: int) -> None:
+    from .service import RagCache
+
+    torch.set_num_threads(threads)  # workers share the cores
+    _work(RagCache(Settings(**settings)), job_id, namespace, worker)
+
+
+def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=None) -> None:
+    """Claim a batch, process it, commit it; until nothing is left to claim."""
+    db, batch_size = service.db, service.settings.precompute_batch
+    lease = timedelta(seconds=service.settings.lease_seconds)
+    while True:
+        batch = _claim(db, namespace, worker, batch_size, lease, job_id)
+        if not batch:
+            return
+        done, failed = [], []
+        for cid, ns, ids_bytes, text in batch:
+            try:
+                ids = torch.from_numpy(np.frombuffer(ids_bytes, np.int32).astype(np.int64))
+                key = service.kv_key_of(ids, ns)
+                if not service.store.contains(key):  # the same text elsewhere in this namespace: one entry
+                    service.store.put(key, service.store_encode(service.compute_chunk_kv(ids)))
+                done.append((cid, key, text, int(ids.numel())))
+            except Exception as e:  # noqa: BLE001 — a failing chunk is recorded, the job goes on
+                failed.append((cid, f"{type(e).__name__}: {e}"))
+        vectors = service.embedder.embed([t for _, _, t, _ in done]) if done else []
+        with db.session() as s:
+            ok = 0
+            for (cid, key, _, n), vec in zip(done, vectors):
+                ok += s.execute(update(Chunk).where(Chunk.id == cid, Chunk.state == "running",
+                                                    Chunk.claimed_by == worker)
+                                .values(state="done", kv_key=key, embedding=vec.astype(np.float32).tobytes(),
+                                        error=None, lease_until=None)).rowcount
+            bad = 0
+            for cid, err in failed:
+                bad += s.execute(update(Chunk).where(Chunk.id == cid, Chunk.claimed_by == worker)
+                                 .values(state="failed", error=err[:2000], lease_until=None)).rowcount
+            s.execute(update(Job).where(Job.id == job_id).values(
+                done=Job.done + ok, failed=Job.failed + bad, tokens=Job.tokens + sum(n for *_, n in done)))
+        if on_batch:
+            on_batch(len(batch))
+
+
+def _claim(db: Database, namespace: str | None, worker: str, n: int, lease: timedelta, job_id: int):
+    with db.session() as s:
+        q = select(Chunk).where(or_(Chunk.state == "pending",
+                                    (Chunk.state == "running") & (Chunk.lease_until < utcnow())))
+        if namespace is not None:
+            q = q.where(Chunk.namespace == namespace)
+        q = q.order_by(Chunk.id).limit(n)
+        if not db.is_sqlite:
+            q = q.with_for_update(skip_locked=True)
+        rows = list(s.scalars(q))
+        until = utcnow() + lease
+        for r in rows:
+            r.state, r.claimed_by, r.lease_until, r.job_id = "running", worker, until, job_id
+        return [(r.id, r.namespace, r.token_ids, r.text) for r in rows]
+
+
+def _release_dead_claims(db: Database, single_writer: bool) -> int:
+    """Running chunks whose worker is gone go back to pending: all of them under the SQLite lock
+    (no other worker can exist), else those of dead processes on this host."""
+    host = socket.gethostname()
+    with db.session() as s:
+        rows = list(s.scalars(select(Chunk).where(Chunk.state == "running")))
+        freed = 0
+        for r in rows:
+            owner = (r.claimed_by or "::").split(":")
+            if single_writer or (owner[0] == host and not _alive(int(owner[1] or 0))):
+                r.state, r.claimed_by, r.lease_until = "pending", None, None
+                freed += 1
+        return freed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except (ProcessLookupError, ValueError):
+        return False
+    except PermissionError:
+        return True
+
+
+def _single_writer_lock(settings: Settings, db: Database, workers: int):
+    """SQLite: one precompute at a time, enforced with a lock file beside the database."""
+    if not db.is_sqlite:
+        return None
+    if workers > 1:
+        raise UserError("SQLite allows one precompute worker at a time: use --workers 1, or PostgreSQL "
+                        "(RAGCACHE_DATABASE_URL=postgresql+psycopg://…) for several")
+    path = settings.home / "precompute.lock"
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise UserError(f"a precompute is already running on this SQLite database ({holder}); wait for it, "
+                        "or use PostgreSQL for several workers") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}")
+    f.flush()
+    return f
+
+
+def _join_or_start_job(db: Database, namespace: str | None) -> int:
+    with db.session() as s:
+        job = s.scalars(select(Job).where(Job.state == "running", Job.namespace.is_(None) if namespace is None
+                                          else Job.namespace == namespace).order_by(Job.id.desc())).first()
+        if job is None:
+            job = Job(namespace=namespace, state="running")
+            s.add(job)
+            s.flush()
+        job.total = _count_in(s, namespace, None)
+        return job.id
+
+
+def _finish_job_if_empty(db: Database, job_id: int, namespace: str | None) -> None:
+    if _count(db, namespace, "pending") or _count(db, namespace, "running"):
+        return
+    with db.session() as s:
+        job = s.get(Job, job_id)
+        if job is not None and job.state == "running":
+            job.state, job.finished = "finished", utcnow()
+            job.seconds = (job.finished - job.started.replace(tzinfo=job.finished.tzinfo)).total_seconds()
+
+
+def _count(db: Database, namespace: str | None, state: str, by: str | None = None) -> int:
+    with db.session() as s:
+        return _count_in(s, namespace, state, by)
+
+
+def _count_in(s, namespace: str | None, state: str | None, by: str | None = None) -> int:
+    q = select(func.count()).select_from(Chunk)
+    if state is not None:
+        q = q.where(Chunk.state == state)
+    if namespace is not None:
+        q = q.where(Chunk.namespace == namespace)
+    if by is not None:
+        q = q.where(Chunk.claimed_by.like(f"{by}:%"))
+    return int(s.scalar(q))
+
+
+def _namespaces(db: Database, namespace: str | None) -> list[str]:
+    if namespace is not None:
+        return [namespace]
+    with db.session() as s:
+        return list(s.scalars(select(Chunk.namespace).distinct()))
+
+
+def _bar(total: int, show: bool):
+    if not show:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="chunk", desc="precompute", dynamic_ncols=True)

@@ -1,0 +1,75 @@
+"""Documents → chunks → SQL: word-boundary chunking, stable ids, idempotent re-ingest, replacement."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import select
+
+from ragcache.chunking import SEPARATOR, Document, chunk_document, read_documents
+from ragcache.errors import UserError
+from ragcache.ingest import ingest_documents
+from ragcache.meta import Chunk
+
+LONG = " ".join(f"word{i} is followed by another, rather unremarkable, sentence." for i in range(120))
+
+
+def test_chunks_respect_the_limit_and_word_boundaries(smollm):
+    tok = smollm.tokenizer
+    chunks = chunk_document(tok, Document("d", "A title", LONG), 64)
+    assert len(chunks) > 5
+    for c in chunks:
+        assert len(c.token_ids) <= 64
+        assert c.text.startswith("A title\n")
+        body = c.text.split("\n", 1)[1]
+        at = LONG.index(body)
+        assert at == 0 or LONG[at - 1] == " "  # starts on a word
+        assert at + len(body) == len(LONG) or LONG[at + len(body)] == " "  # ends on a word
+        assert tok.decode(c.token_ids) == c.text + SEPARATOR
+    assert " ".join(c.text.split("\n", 1)[1] for c in chunks) == LONG
+    assert chunks == chunk_document(tok, Document("d", "A title", LONG), 64)  # stable
+
+
+def test_a_short_passage_is_one_chunk(smollm):
+    chunks = chunk_document(smollm.tokenizer, Document("d", "", "Paris is the capital of France."), 512)
+    assert [c.text for c in chunks] == ["Paris is the capital of France."]
+
+
+def test_readers_and_their_errors(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("alpha")
+    (tmp_path / "docs" / "b.txt").write_text("beta")
+    assert [d.external_id for d in read_documents(tmp_path / "docs")] == ["a.md", "b.txt"]
+    good = tmp_path / "c.jsonl"
+    good.write_text('{"id": 1, "title": "T", "text": "x"}\n\n{"id": "2", "text": "y"}\n')
+    assert [(d.external_id, d.title) for d in read_documents(good)] == [("1", "T"), ("2", "")]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1, "text": "x"}\n{"id": 2}\n')
+    with pytest.raises(UserError, match="bad.jsonl:2"):
+        read_documents(bad)
+    mus = tmp_path / "m.json"
+    mus.write_text(json.dumps([{"question": "q", "answers": ["a"], "ctxs": [{"title": "", "text": "same"}] * 2}]))
+    assert len(read_documents(mus)) == 1  # the same passage twice is one document
+    with pytest.raises(UserError, match="not found"):
+        read_documents(tmp_path / "nope.jsonl")
+
+
+def test_reingest_is_idempotent_and_a_changed_document_is_replaced(db, smollm):
+    tok = smollm.tokenizer
+    docs = [Document("a", "", LONG), Document("b", "", "Short text about Paris.")]
+    first = ingest_documents(db, tok, "fp", docs, "ns", 64)
+    assert first.added == 2 and first.chunks_added > 2
+    with db.session() as s:
+        before = {(c.document_id, c.ordinal): c.id for c in s.scalars(select(Chunk))}
+    again = ingest_documents(db, tok, "fp", docs, "ns", 64)
+    assert (again.added, again.unchanged, again.chunks_added) == (0, 2, 0)
+    with db.session() as s:
+        assert {(c.document_id, c.ordinal): c.id for c in s.scalars(select(Chunk))} == before
+        s.execute(Chunk.__table__.update().where(Chunk.text.like("Short%")).values(state="done", kv_key="k-b"))
+    changed = ingest_documents(db, tok, "fp", [docs[0], Document("b", "", "Short text about Rome.")], "ns", 64)
+    assert (changed.replaced, changed.unchanged) == (1, 1) and changed.orphan_kv_keys == ["k-b"]
+    with db.session() as s:
+        texts = [c.text for c in s.scalars(select(Chunk).where(Chunk.text.like("Short%")))]
+        assert texts == ["Short text about Rome."]
+    other_ns = ingest_documents(db, tok, "fp", docs, "ns2", 64)
+    assert other_ns.added == 2  # namespaces never share documents

@@ -1,0 +1,203 @@
+"""The precompute job and retrieve-and-generate, end to end, through the `ragcache` command."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sqlalchemy import func, select
+
+from ragcache.config import Settings
+from ragcache.meta import Chunk, Database, Job, KVEntry
+from ragcache.service import RagCache
+
+from .conftest import pg_database
+
+DEMO = Path(__file__).resolve().parents[2] / "demo" / "data" / "musique_demo.json"
+QUESTION = "Where was the author of Hannibal and Scipio educated at?"
+
+
+def _env(home: Path, smollm, db_url: str | None = None, **extra) -> dict:
+    env = {**os.environ, "RAGCACHE_HOME": str(home), "RAGCACHE_MODEL": str(smollm.path),
+           "RAGCACHE_CHUNK_TOKENS": "96", "RAGCACHE_PRECOMPUTE_BATCH": "2", "RAGCACHE_MAX_NEW_TOKENS": "12"}
+    if db_url:
+        env["RAGCACHE_DATABASE_URL"] = db_url
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _ragcache(*args, env, timeout=300, **kw):
+    return subprocess.run([sys.executable, "-m", "ragcache.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    """Two questions' passages: 20 documents, ~90 chunks of ≤ 96 tokens."""
+    path = tmp_path / "corpus.json"
+    path.write_text(json.dumps(json.loads(DEMO.read_text())[:2]))
+    return path
+
+
+def _settings(env: dict) -> Settings:
+    return Settings(**{k.removeprefix("RAGCACHE_").lower(): v for k, v in env.items() if k.startswith("RAGCACHE_")})
+
+
+def _agree(env: dict) -> int:
+    """Every chunk done exactly once; SQL, store and index agree. Returns the chunk count."""
+    settings = _settings(env)
+    db = Database(settings.db_url)
+    with db.session() as s:
+        chunks = list(s.scalars(select(Chunk)))
+        done_counted = s.scalar(select(func.sum(Job.done)))
+        keys = set(s.scalars(select(KVEntry.key).where(KVEntry.on_disk)))
+    assert chunks and all(c.state == "done" for c in chunks), {c.state for c in chunks}
+    assert done_counted == len(chunks), "a chunk was counted done twice (or not at all)"
+    assert {c.kv_key for c in chunks} <= keys
+    service = RagCache(settings)
+    assert service.index.ids("default") == {c.id for c in chunks}
+    kv_files = {p.name.removesuffix(".safetensors") for p in (settings.home / "kv").glob("*/*.safetensors")}
+    assert kv_files == keys
+    service.close()
+    db.dispose()
+    return len(chunks)
+
+
+def test_killed_precompute_resumes_and_does_every_chunk_once(tmp_path, corpus, smollm):
+    env = _env(tmp_path / "home", smollm)
+    r = _ragcache("ingest", str(corpus), env=env)
+    assert r.returncode == 0, r.stderr
+    rng = random.Random(3)
+    kills = 0
+    for _ in range(8):
+        proc = subprocess.Popen([sys.executable, "-m", "ragcache.cli", "precompute", "--quiet"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(rng.uniform(4.0, 9.0))  # model load is ~4 s: kills land before and during the work
+        if proc.poll() is not None:
+            break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+    assert kills >= 5
+    r = _ragcache("precompute", "--quiet", env=env)
+    assert r.returncode == 0, r.stderr
+    done, failed, skipped = (int(x.split("=")[1]) for x in r.stdout.strip().splitlines()[-1].split())
+    assert failed == 0 and done + skipped == _agree(env) and skipped > 0
+
+
+def test_two_workers_share_a_job_on_postgresql(tmp_path, corpus, smollm):
+    url, drop = pg_database()
+    try:
+        env = _env(tmp_path / "home", smollm, url)
+        assert _ragcache("ingest", str(corpus), env=env).returncode == 0
+        r = _ragcache("precompute", "--workers", "2", "--quiet", env=env, timeout=600)
+        assert r.returncode == 0, r.stderr
+        n = _agree(env)
+        assert r.stdout.strip().splitlines()[-1] == f"done={n} failed=0 skipped=0"
+        db = Database(url)
+        with db.session() as s:
+            by_worker = dict(s.execute(select(Chunk.claimed_by, func.count()).group_by(Chunk.claimed_by)).all())
+        db.dispose()
+        assert len(by_worker) == 2 and sum(by_worker.values()) == n  # disjoint claims, both worked
+    finally:
+        drop()
+
+
+def test_sqlite_takes_one_worker_at_a_time(tmp_path, corpus, smollm):
+    env = _env(tmp_path / "home", smollm)
+    assert _ragcache("ingest", str(corpus), env=env).returncode == 0
+    r = _ragcache("precompute", "--workers", "2", env=env)
+    assert r.returncode == 2 and "one precompute worker" in r.stderr and "Traceback" not in r.stderr
+    first = subprocess.Popen([sys.executable, "-m", "ragcache.cli", "precompute", "--quiet"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.5)
+        r = _ragcache("precompute", env=env)
+        assert r.returncode == 2 and "already running" in r.stderr
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_a_failing_chunk_is_recorded_and_the_job_goes_on(tmp_path, smollm):
+    docs = tmp_path / "docs.jsonl"
+    long = "word " * 9000  # past the model's 8192 positions: its prefill must fail
+    docs.write_text(json.dumps({"id": "ok", "text": "Paris is in France."}) + "\n" +
+                    json.dumps({"id": "huge", "text": long}) + "\n")
+    env = _env(tmp_path / "home", smollm, RAGCACHE_CHUNK_TOKENS=20000)
+    assert _ragcache("ingest", str(docs), env=env).returncode == 0
+    r = _ragcache("precompute", "--quiet", env=env)
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "done=1 failed=1 skipped=0", r.stdout + r.stderr
+    db = Database(_settings(env).db_url)
+    with db.session() as s:
+        bad = s.scalars(select(Chunk).where(Chunk.state == "failed")).one()
+    db.dispose()
+    assert "exceeds" in bad.error
+
+
+def test_ask_answers_from_stored_kv_and_recomputes_corrupt_blobs(tmp_path, corpus, smollm):
+    env = _env(tmp_path / "home", smollm)
+    assert _ragcache("ingest", str(corpus), env=env).returncode == 0
+    assert _ragcache("precompute", "--quiet", env=env).returncode == 0
+    r = _ragcache("ask", QUESTION, "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    stored = json.loads(r.stdout)
+    assert set(stored) == {"answer", "chunks", "usage", "timings_ms"}
+    assert set(stored["timings_ms"]) == {"retrieve", "load", "blend", "ttft", "decode", "total"}
+    assert {c["tier"] for c in stored["chunks"]} <= {"disk", "cpu"} and stored["answer"]
+    assert stored["usage"]["prompt_tokens"] == stored["usage"]["reused_tokens"] + stored["usage"]["recomputed_tokens"]
+    for blob in (tmp_path / "home" / "kv").glob("*/*.safetensors"):
+        data = bytearray(blob.read_bytes())
+        data[-100] ^= 0xFF
+        blob.write_bytes(bytes(data))
+    r = _ragcache("ask", QUESTION, "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    recomputed = json.loads(r.stdout)
+    assert {c["tier"] for c in recomputed["chunks"]} == {"computed"}
+    assert recomputed["answer"] == stored["answer"]
+    assert [c["id"] for c in recomputed["chunks"]] == [c["id"] for c in stored["chunks"]]
+
+
+def test_search_prints_ids_scores_and_words(tmp_path, corpus, smollm):
+    env = _env(tmp_path / "home", smollm)
+    assert _ragcache("ingest", str(corpus), env=env).returncode == 0
+    assert _ragcache("precompute", "--quiet", env=env).returncode == 0
+    r = _ragcache("search", "Hannibal and Scipio", "-k", "3", env=env)
+    lines = r.stdout.strip().splitlines()
+    assert r.returncode == 0 and len(lines) == 3
+    scores = [float(line.split()[1]) for line in lines]
+    assert scores == sorted(scores, reverse=True)
+    r = _ragcache("search", "x", "--namespace", "nobody", env=env)
+    assert r.returncode == 0 and r.stdout.strip() == ""
+    r = _ragcache("ask", QUESTION, "--namespace", "nobody", env=env)
+    assert r.returncode == 2 and "no precomputed chunks" in r.stderr
+
+
+def test_reingesting_a_changed_document_drops_its_old_vectors_and_kv(tmp_path, smollm):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"id": "a", "text": "Alpha text about rivers."}) + "\n")
+    env = _env(tmp_path / "home", smollm)
+    settings = _settings(env)
+    service = RagCache(settings)
+    service.ingest(docs)
+    from ragcache.precompute import run_precompute
+
+    run_precompute(settings, progress=False)
+    old_keys = set(service.store.blobs[0].keys())
+    docs.write_text(json.dumps({"id": "a", "text": "Beta text about mountains."}) + "\n")
+    report = service.ingest(docs)
+    assert report.replaced == 1 and set(report.orphan_kv_keys) == old_keys
+    assert service.index.count("default") == 0 and not set(service.store.blobs[0].keys()) & old_keys
+    run_precompute(settings, progress=False)
+    service.close()
+    fresh = RagCache(settings)
+    hits = fresh.search("mountains", k=1)
+    assert hits[0].text.startswith("Beta") and np.isfinite(hits[0].score)
+    fresh.close()
