@@ -39,10 +39,11 @@ class VectorIndex:
             quantizer.this.disown()  # the IVF index owns and frees its quantizer
             ivf.own_fields = True
             ivf.train(vectors)
-            ivf.nprobe = max(1, self.nlist // 8)
+            ivf.nprobe = max(1, self.nlist // 4)
             return ivf
         if self.kind == "hnsw":
             base = faiss.IndexHNSWFlat(self.dim, self.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+            base.hnsw.efConstruction, base.hnsw.efSearch = 200, 128
         else:
             base = faiss.IndexFlatIP(self.dim)
         base.this.disown()  # the id map owns the base index

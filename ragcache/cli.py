@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
 
     b = sub.add_parser("bench", help="benchmarks whose output goes into BENCHMARKS.md")
-    b.add_argument("what", choices=["load", "prefill", "blend", "store"])
+    b.add_argument("what", choices=["load", "prefill", "blend", "store", "precompute", "retrieval"])
     b.add_argument("--tokens", type=int, default=2048, help="prefill: input length")
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument("--dataset", default="../shared/data/musique_dev.json", help="blend: MuSiQue-format file")
@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--passages", type=lambda s: [int(x) for x in s.split(",")], default=[4, 10],
                    help="blend: passage counts, comma-separated")
     b.add_argument("--chunk-prefill", choices=["alone", "prefixed"], default="alone")
+    b.add_argument("--chunks", type=int, default=None, help="precompute: chunks (40); retrieval: index size (10000)")
     b.set_defaults(func=_bench)
 
     i = sub.add_parser("ingest", help="add documents: a .jsonl, a MuSiQue-format .json, or a folder of .txt/.md")

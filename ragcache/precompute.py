@@ -16,6 +16,7 @@ import os
 import socket
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -96,39 +97,57 @@ def _worker_main(settings: dict, job_id: int, namespace: str | None, worker: str
 
 
 def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=None) -> None:
-    """Claim a batch, process it, commit it; until nothing is left to claim."""
+    """Claim a batch, process it, commit it; until nothing is left to claim.
+
+    A chunk's store write (serialise, checksum, fsync) runs on a writer thread while the next
+    chunk prefills; the batch commits only once its writes are durable.
+    """
     db, batch_size = service.db, service.settings.precompute_batch
     lease = timedelta(seconds=service.settings.lease_seconds)
-    while True:
-        batch = _claim(db, namespace, worker, batch_size, lease, job_id)
-        if not batch:
-            return
-        done, failed = [], []
-        for cid, ns, ids_bytes, text in batch:
-            try:
-                ids = torch.from_numpy(np.frombuffer(ids_bytes, np.int32).astype(np.int64))
-                key = service.kv_key_of(ids, ns)
-                if not service.store.contains(key):  # the same text elsewhere in this namespace: one entry
-                    service.store.put(key, service.store_encode(service.compute_chunk_kv(ids)))
-                done.append((cid, key, text, int(ids.numel())))
-            except Exception as e:  # noqa: BLE001 — a failing chunk is recorded, the job goes on
-                failed.append((cid, f"{type(e).__name__}: {e}"))
-        vectors = service.embedder.embed([t for _, _, t, _ in done]) if done else []
-        with db.session() as s:
-            ok = 0
-            for (cid, key, _, n), vec in zip(done, vectors):
-                ok += s.execute(update(Chunk).where(Chunk.id == cid, Chunk.state == "running",
-                                                    Chunk.claimed_by == worker)
-                                .values(state="done", kv_key=key, embedding=vec.astype(np.float32).tobytes(),
-                                        error=None, lease_until=None)).rowcount
-            bad = 0
-            for cid, err in failed:
-                bad += s.execute(update(Chunk).where(Chunk.id == cid, Chunk.claimed_by == worker)
-                                 .values(state="failed", error=err[:2000], lease_until=None)).rowcount
-            s.execute(update(Job).where(Job.id == job_id).values(
-                done=Job.done + ok, failed=Job.failed + bad, tokens=Job.tokens + sum(n for *_, n in done)))
-        if on_batch:
-            on_batch(len(batch))
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-write") as writer:
+        while True:
+            batch = _claim(db, namespace, worker, batch_size, lease, job_id)
+            if not batch:
+                return
+            pending, failed = [], []
+            for cid, ns, ids_bytes, text in batch:
+                try:
+                    ids = torch.from_numpy(np.frombuffer(ids_bytes, np.int32).astype(np.int64))
+                    key = service.kv_key_of(ids, ns)
+                    write = None
+                    if not service.store.contains(key):  # the same text elsewhere in the namespace: one entry
+                        write = writer.submit(service.store.put, key, service.store_encode(service.compute_chunk_kv(ids)))
+                    pending.append((cid, key, text, int(ids.numel()), write))
+                except Exception as e:  # noqa: BLE001 — a failing chunk is recorded, the job goes on
+                    failed.append((cid, f"{type(e).__name__}: {e}"))
+            done = []
+            for cid, key, text, n, write in pending:
+                try:
+                    if write is not None:
+                        write.result()
+                    done.append((cid, key, text, n))
+                except Exception as e:  # noqa: BLE001
+                    failed.append((cid, f"{type(e).__name__}: {e}"))
+            vectors = service.embedder.embed([t for _, _, t, _ in done]) if done else []
+            _commit(db, job_id, worker, done, vectors, failed)
+            if on_batch:
+                on_batch(len(batch))
+
+
+def _commit(db: Database, job_id: int, worker: str, done, vectors, failed) -> None:
+    """Chunk states and the job's counters in one transaction, for chunks this worker still holds."""
+    with db.session() as s:
+        ok = 0
+        for (cid, key, _, _), vec in zip(done, vectors):
+            ok += s.execute(update(Chunk).where(Chunk.id == cid, Chunk.state == "running", Chunk.claimed_by == worker)
+                            .values(state="done", kv_key=key, embedding=vec.astype(np.float32).tobytes(),
+                                    error=None, lease_until=None)).rowcount
+        bad = 0
+        for cid, err in failed:
+            bad += s.execute(update(Chunk).where(Chunk.id == cid, Chunk.claimed_by == worker)
+                             .values(state="failed", error=err[:2000], lease_until=None)).rowcount
+        s.execute(update(Job).where(Job.id == job_id).values(
+            done=Job.done + ok, failed=Job.failed + bad, tokens=Job.tokens + sum(n for *_, n in done)))
 
 
 def _claim(db: Database, namespace: str | None, worker: str, n: int, lease: timedelta, job_id: int):

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import xxhash
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from blend import ChunkKV, kernels
 
@@ -94,21 +92,46 @@ def decode(entry: StoredKV, dtype: torch.dtype, device: torch.device) -> ChunkKV
                    entry.start, entry.context)
 
 
+_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8", torch.int64: "I64"}
+_DTYPES = {v: k for k, v in _CODES.items()}
+
+
 def to_bytes(entry: StoredKV) -> bytes:
-    tensors = {"token_ids": entry.token_ids.contiguous(), "k": entry.k.contiguous(), "v": entry.v.contiguous()}
+    """The safetensors format, written directly: one copy of the tensor bytes, no more."""
+    tensors = {"token_ids": entry.token_ids, "k": entry.k, "v": entry.v}
     if entry.k_scale is not None:
-        tensors.update(k_scale=entry.k_scale.contiguous(), v_scale=entry.v_scale.contiguous())
-    meta = {"format": FORMAT, "start": str(entry.start), "context": entry.context, "kv_dtype": entry.kv_dtype}
-    return st_save(tensors, metadata=meta)
+        tensors.update(k_scale=entry.k_scale, v_scale=entry.v_scale)
+    header: dict = {"__metadata__": {"format": FORMAT, "start": str(entry.start), "context": entry.context,
+                                     "kv_dtype": entry.kv_dtype}}
+    buffers, offset = [], 0
+    for name, t in tensors.items():
+        raw = t.detach().contiguous().cpu().view(torch.uint8).numpy()  # a view, not a copy
+        header[name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + raw.nbytes]}
+        buffers.append(raw)
+        offset += raw.nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return b"".join([len(head).to_bytes(8, "little"), head, *buffers])
 
 
-def from_bytes(blob: bytes) -> StoredKV:
+def from_bytes(blob: bytes | bytearray) -> StoredKV:
+    """Parse without copying: tensors are views of `blob` (pass a bytearray to get writable ones)."""
+    if isinstance(blob, bytes):
+        blob = bytearray(blob)  # torch wants writable memory
     try:
-        header_len = int.from_bytes(blob[:8], "little")
-        meta = json.loads(blob[8 : 8 + header_len])["__metadata__"]
-        t = st_load(blob)
+        n = int.from_bytes(blob[:8], "little")
+        header = json.loads(bytes(blob[8 : 8 + n]))
+        meta = header.pop("__metadata__")
         if meta.get("format") != FORMAT:
             raise ValueError(f"unknown format {meta.get('format')!r}")
+        base, t = 8 + n, {}
+        for name, info in header.items():
+            a, b = info["data_offsets"]
+            if base + b > len(blob):
+                raise ValueError(f"{name} runs past the end of the blob")
+            dtype = _DTYPES[info["dtype"]]
+            count = (b - a) // torch.empty(0, dtype=dtype).element_size()
+            t[name] = torch.frombuffer(blob, dtype=dtype, count=count, offset=base + a).view(info["shape"])
         return StoredKV(t["token_ids"], t["k"], t["v"], t.get("k_scale"), t.get("v_scale"), int(meta["start"]),
                         meta["context"], meta["kv_dtype"])
     except Exception as e:  # any parse failure is corruption

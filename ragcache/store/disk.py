@@ -39,9 +39,14 @@ class DiskTier:
         with self._lock:
             self._sizes[key] = len(value)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> bytearray | None:
+        """The blob as a bytearray: tensors parsed from it are writable views, no copy."""
         try:
-            return self._path(key).read_bytes()
+            with open(self._path(key), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                buf = bytearray(size)
+                f.readinto(buf)
+                return buf
         except FileNotFoundError:
             with self._lock:
                 self._sizes.pop(key, None)

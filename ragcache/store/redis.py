@@ -30,12 +30,13 @@ class RedisTier:
         with self._lock:
             self._sizes[key] = len(value)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> bytearray | None:
         value = self.client.get(self.prefix + key)
         if value is None:
             with self._lock:
                 self._sizes.pop(key, None)
-        return value
+            return None
+        return bytearray(value)  # writable: tensors parsed from it are views of it
 
     def contains(self, key: str) -> bool:
         return bool(self.client.exists(self.prefix + key))

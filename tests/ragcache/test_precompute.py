@@ -38,12 +38,33 @@ def _ragcache(*args, env, timeout=300, **kw):
                           timeout=timeout, **kw)
 
 
-@pytest.fixture
-def corpus(tmp_path) -> Path:
-    """Two questions' passages: 20 documents, ~90 chunks of ≤ 96 tokens."""
-    path = tmp_path / "corpus.json"
-    path.write_text(json.dumps(json.loads(DEMO.read_text())[:2]))
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """One question's passages: 10 documents, ~45 chunks of ≤ 96 tokens."""
+    path = tmp_path_factory.mktemp("corpus") / "corpus.json"
+    path.write_text(json.dumps(json.loads(DEMO.read_text())[:1]))
     return path
+
+
+@pytest.fixture(scope="module")
+def precomputed(tmp_path_factory, corpus, smollm) -> Path:
+    """A home with the corpus ingested and precomputed (in process); tests work on copies."""
+    from ragcache.precompute import run_precompute
+
+    home = tmp_path_factory.mktemp("precomputed") / "home"
+    settings = _settings(_env(home, smollm))
+    service = RagCache(settings)
+    service.ingest(corpus)
+    service.close()
+    run_precompute(settings, progress=False)
+    return home
+
+
+def _copy(home: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    shutil.copytree(home, tmp_path / "home")
+    return tmp_path / "home"
 
 
 def _settings(env: dict) -> Settings:
@@ -76,10 +97,10 @@ def test_killed_precompute_resumes_and_does_every_chunk_once(tmp_path, corpus, s
     assert r.returncode == 0, r.stderr
     rng = random.Random(3)
     kills = 0
-    for _ in range(8):
+    for _ in range(7):
         proc = subprocess.Popen([sys.executable, "-m", "ragcache.cli", "precompute", "--quiet"], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(rng.uniform(4.0, 9.0))  # model load is ~4 s: kills land before and during the work
+        time.sleep(rng.uniform(3.0, 7.5))  # model load is ~4 s: kills land before and during the work
         if proc.poll() is not None:
             break
         proc.send_signal(signal.SIGKILL)
@@ -142,10 +163,8 @@ def test_a_failing_chunk_is_recorded_and_the_job_goes_on(tmp_path, smollm):
     assert "exceeds" in bad.error
 
 
-def test_ask_answers_from_stored_kv_and_recomputes_corrupt_blobs(tmp_path, corpus, smollm):
-    env = _env(tmp_path / "home", smollm)
-    assert _ragcache("ingest", str(corpus), env=env).returncode == 0
-    assert _ragcache("precompute", "--quiet", env=env).returncode == 0
+def test_ask_answers_from_stored_kv_and_recomputes_corrupt_blobs(tmp_path, precomputed, smollm):
+    env = _env(_copy(precomputed, tmp_path), smollm)
     r = _ragcache("ask", QUESTION, "--json", env=env)
     assert r.returncode == 0, r.stderr
     stored = json.loads(r.stdout)
@@ -153,7 +172,7 @@ def test_ask_answers_from_stored_kv_and_recomputes_corrupt_blobs(tmp_path, corpu
     assert set(stored["timings_ms"]) == {"retrieve", "load", "blend", "ttft", "decode", "total"}
     assert {c["tier"] for c in stored["chunks"]} <= {"disk", "cpu"} and stored["answer"]
     assert stored["usage"]["prompt_tokens"] == stored["usage"]["reused_tokens"] + stored["usage"]["recomputed_tokens"]
-    for blob in (tmp_path / "home" / "kv").glob("*/*.safetensors"):
+    for blob in (Path(env["RAGCACHE_HOME"]) / "kv").glob("*/*.safetensors"):
         data = bytearray(blob.read_bytes())
         data[-100] ^= 0xFF
         blob.write_bytes(bytes(data))
@@ -165,10 +184,8 @@ def test_ask_answers_from_stored_kv_and_recomputes_corrupt_blobs(tmp_path, corpu
     assert [c["id"] for c in recomputed["chunks"]] == [c["id"] for c in stored["chunks"]]
 
 
-def test_search_prints_ids_scores_and_words(tmp_path, corpus, smollm):
-    env = _env(tmp_path / "home", smollm)
-    assert _ragcache("ingest", str(corpus), env=env).returncode == 0
-    assert _ragcache("precompute", "--quiet", env=env).returncode == 0
+def test_search_prints_ids_scores_and_words(tmp_path, precomputed, smollm):
+    env = _env(_copy(precomputed, tmp_path), smollm)
     r = _ragcache("search", "Hannibal and Scipio", "-k", "3", env=env)
     lines = r.stdout.strip().splitlines()
     assert r.returncode == 0 and len(lines) == 3
