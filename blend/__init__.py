@@ -3,7 +3,7 @@
 Never imports ragcache or api (DESIGN.md layering).
 """
 from .cache import KVCache
-from .chunk import ALONE, ChunkKV, PrefixKV, compute_chunk, compute_prefix, ids_key
+from .chunk import ALONE, ChunkKV, PrefixKV, compute_chunk, compute_prefix, ids_key, tokens_only
 from .fuse import FusedResult, fuse_and_prefill
 from .model import Model, ModelError, load_model
 from .runner import Runner
@@ -12,5 +12,5 @@ from .select import CacheBlend, Epic, Full, Prefix, Reuse, make_policy
 __all__ = [
     "ALONE", "CacheBlend", "ChunkKV", "Epic", "Full", "FusedResult", "KVCache", "Model", "ModelError",
     "Prefix", "PrefixKV", "Reuse", "Runner", "compute_chunk", "compute_prefix", "fuse_and_prefill", "ids_key",
-    "load_model", "make_policy",
+    "load_model", "make_policy", "tokens_only",
 ]

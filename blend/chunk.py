@@ -38,8 +38,8 @@ class ChunkKV:
     """One chunk's K (post-RoPE) and V at the positions it was computed at."""
 
     token_ids: torch.Tensor  # (n,)
-    k: torch.Tensor  # (L, Hkv, n, hd) post-RoPE at start..start+n-1
-    v: torch.Tensor  # (L, Hkv, n, hd)
+    k: torch.Tensor | None  # (L, Hkv, n, hd) post-RoPE at start..start+n-1; None: tokens only (full)
+    v: torch.Tensor | None  # (L, Hkv, n, hd)
     start: int  # 0 when computed alone, P when behind a P-token prefix
     context: str  # ALONE, or the key of the prefix it was computed behind
 
@@ -52,6 +52,11 @@ class ChunkKV:
         `before` is the key of the prefix the chunk would follow (ALONE when nothing precedes it).
         """
         return offset == self.start and before == self.context
+
+
+def tokens_only(token_ids: torch.Tensor, start: int = 0, context: str = ALONE) -> ChunkKV:
+    """A chunk for a policy that recomputes it whole (`reads_chunk_kv` False): no KV to load."""
+    return ChunkKV(token_ids, None, None, start, context)
 
 
 def compute_prefix(runner: Runner, token_ids: torch.Tensor) -> PrefixKV:

@@ -66,6 +66,8 @@ def assemble(runner: Runner, prefix: PrefixKV | None, chunks: list[ChunkKV], lay
     for chunk, (a, b), need in zip(chunks, layout.spans, needed):
         if not need:
             continue
+        if chunk.k is None:
+            raise ValueError("this policy reads chunk KV: pass ChunkKVs with tensors, not tokens_only()")
         cache.v[:, :, a:b] = chunk.v
         if a == chunk.start:
             cache.k[:, :, a:b] = chunk.k

@@ -46,9 +46,10 @@ class Plan:
 
 @dataclass(frozen=True)
 class Full:
-    """Recompute everything after the exact prefix: the baseline."""
+    """Recompute everything after the exact prefix: the baseline. Reads no chunk KV at all."""
 
     name = "full"
+    reads_chunk_kv = False
 
     def plan(self, layout: Layout, num_layers: int) -> Plan:
         return Plan(torch.arange(layout.prefix_len, layout.total))
@@ -59,6 +60,7 @@ class Prefix:
     """Reuse only leading chunks that are exact where they sit (what a prefix cache would hit)."""
 
     name = "prefix"
+    reads_chunk_kv = True
 
     def plan(self, layout: Layout, num_layers: int) -> Plan:
         start = next((a for (a, _), ok in zip(layout.spans, layout.exact) if not ok), layout.suffix_start)
@@ -70,6 +72,7 @@ class Reuse:
     """Recompute only the query suffix."""
 
     name = "reuse"
+    reads_chunk_kv = True
 
     def plan(self, layout: Layout, num_layers: int) -> Plan:
         return Plan(layout.suffix())
@@ -81,6 +84,7 @@ class Epic:
 
     k: int = 16
     name = "epic"
+    reads_chunk_kv = True
 
     def __post_init__(self):
         if self.k < 0:
@@ -103,6 +107,7 @@ class CacheBlend:
     by: str = "v"  # "k" or "v"
     gradual: int = 1
     name = "cacheblend"
+    reads_chunk_kv = True
 
     def __post_init__(self):
         if not 0 <= self.ratio <= 1:

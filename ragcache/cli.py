@@ -76,6 +76,76 @@ def _ask(args, settings) -> int:
     return 0
 
 
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _eval_config(args, settings):
+    from pathlib import Path
+
+    from .evaluate import EvalConfig
+
+    return EvalConfig(Path(args.dataset), modes=args.modes.split(","), ratios=args.ratios, epic_ks=args.epic_k,
+                      top_k=args.top_k, retrieval=args.retrieval,
+                      chunk_prefill=args.chunk_prefill or settings.chunk_prefill,
+                      kv_dtype=args.kv_dtype, tier=args.tier, limit=args.limit, max_new_tokens=args.max_new_tokens)
+
+
+def _eval(args, settings) -> int:
+    from pathlib import Path
+
+    from .evaluate import evaluate, table, write_results
+    from .service import RagCache
+
+    service = RagCache(settings)
+    results = evaluate(service, _eval_config(args, settings), progress=not args.quiet)
+    write_results(results, Path(args.out))
+    print(f"{results['model']}, {results['dataset']}: n={results['n']}, top-k {results['top_k']} "
+          f"({results['retrieval']}), chunks {results['chunk_prefill']}, {results['kv_dtype']} KV in the "
+          f"{results['tier']} tier")
+    print(table(results))
+    print(f"wrote {args.out}/results.json, results.csv, pareto.png")
+    service.close()
+    return 0
+
+
+def _calibrate(args, settings) -> int:
+    from .calibrate import calibrate
+    from .service import RagCache
+
+    service = RagCache(settings)
+    choice = calibrate(service, _eval_config(args, settings), args.target_kl, progress=not args.quiet)
+    print(choice.line())
+    service.close()
+    return 0
+
+
+def _add_eval_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset", required=True, help="a MuSiQue/CacheBlend-format JSON file")
+    p.add_argument("--modes", default="full,reuse,prefix,cacheblend,epic")
+    p.add_argument("--ratios", type=_floats, default=[0.05, 0.15, 0.3, 0.5], help="cacheblend ratios")
+    p.add_argument("--epic-k", type=_ints, default=[4, 16, 32], help="epic: tokens per chunk")
+    p.add_argument("--top-k", type=_positive, default=4)
+    p.add_argument("--retrieval", choices=["given", "faiss"], default="given")
+    p.add_argument("--chunk-prefill", choices=["alone", "prefixed"], default=None,
+                   help="default: the RAGCACHE_CHUNK_PREFILL setting (prefixed)")
+    p.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16", "float16", "int8"], default="auto")
+    p.add_argument("--tier", choices=["cpu", "disk"], default="cpu")
+    p.add_argument("--limit", type=_positive, default=None, help="first N questions")
+    p.add_argument("--max-new-tokens", type=_positive, default=24)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def _later(issue: str):
     def run(args, settings) -> int:
         raise UserError(f"'ragcache {args.command}' is not built yet: it arrives with {issue}")
@@ -141,8 +211,17 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", action="store_true", help="print the whole result as JSON")
     a.set_defaults(func=_ask)
 
-    for name, issue in [("serve", "the REST API issue"), ("eval", "the evaluation issue"),
-                        ("calibrate", "the evaluation issue")]:
+    ev = sub.add_parser("eval", help="quality vs latency of every mode against full prefill")
+    _add_eval_flags(ev)
+    ev.add_argument("--out", default="eval-out", help="folder for results.json, results.csv, pareto.png")
+    ev.set_defaults(func=_eval)
+
+    cal = sub.add_parser("calibrate", help="pick the fastest mode within a KL target; `mode: auto` uses it")
+    _add_eval_flags(cal)
+    cal.add_argument("--target-kl", type=float, required=True, help="mean teacher-forced KL(full ‖ mode), nats")
+    cal.set_defaults(func=_calibrate)
+
+    for name, issue in [("serve", "the REST API issue")]:
         sub.add_parser(name, help=f"(arrives with {issue})").set_defaults(func=_later(issue))
     return p
 

@@ -1,41 +1,69 @@
-"""`ragcache demo`: the main job on the bundled model and the demo data."""
+"""`ragcache demo`: the main job on the bundled model and the demo corpus.
+
+ingest → precompute (resumable: a second run skips what is done) → answer three questions in
+full, cacheblend and epic mode through the service → a small evaluation and its Pareto plot.
+"""
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
 
-from blend.decode import Sampling, decode
-from blend.model import load_model
-from blend.prompt import as_ids, chat_frame, encode, stop_token_ids
-from blend.runner import Runner
-
 from .config import Settings
 from .errors import UserError
+from .evaluate import EvalConfig, evaluate, table, write_results
+from .precompute import run_precompute
+from .service import RagCache
+
+NAMESPACE = "demo"
+MODES = ("full", "cacheblend", "epic")
 
 
 def run_demo(settings: Settings, args) -> int:
-    path = Path(args.data)
-    if not path.is_file():
-        raise UserError(f"demo data {path} not found: run from the repository root or pass --data")
-    item = next(q for q in json.loads(path.read_text()) if any(a.lower() in c["text"].lower()
-                                                               for c in q["ctxs"] for a in q["answers"]))
-    passage = next(c["text"] for c in item["ctxs"] if any(a.lower() in c["text"].lower() for a in item["answers"]))
-    t = time.perf_counter()
-    model = load_model(settings.model, settings.home, settings.device, settings.dtype)
-    runner = Runner(model)
-    print(f"model {model.name} ({model.dtype}, {model.device}) loaded in {time.perf_counter() - t:.1f}s")
-    tok = model.tokenizer
-    frame = chat_frame(tok, settings.system_prompt)
-    ids = frame.head + encode(tok, passage + "\n\nQuestion: " + item["question"]) + frame.tail
-    t = time.perf_counter()
-    pre = runner.prefill(as_ids(ids))
-    cache = runner.new_cache(len(ids) + settings.max_new_tokens)
-    cache.k[:, :, : len(ids)], cache.v[:, :, : len(ids)] = pre.k, pre.v
-    cache.length = len(ids)
-    ttft = time.perf_counter() - t
-    answer = decode(runner, cache, pre.logits, Sampling(settings.max_new_tokens), stop_token_ids(tok, model.config))
-    print(f"question: {item['question']}  (gold: {item['answers'][0]})")
-    print(f"answer:   {tok.decode(answer).strip()}")
-    print(f"prompt {len(ids)} tokens, TTFT {ttft * 1000:.0f} ms (full prefill)")
+    data, out = Path(args.data), Path(args.out)
+    if not data.is_file():
+        raise UserError(f"demo data {data} not found: run from the repository root or pass --data")
+    t_start = time.perf_counter()
+    service = RagCache(settings)
+    _step(f"model: {settings.model} → loading")
+    service.warm(NAMESPACE)
+    m = service.model
+    print(f"  {m.name}, {m.config.num_hidden_layers} layers, {m.dtype} on {m.device}")
+    _step(f"ingest {data}")
+    print("  " + service.ingest(data, NAMESPACE).line())
+    _step("precompute chunk KVs (prefill once, store, embed, index)")
+    print("  " + run_precompute(settings, namespace=NAMESPACE).line())
+    service.sync_index(NAMESPACE)
+
+    _step("answer three questions; chunk KVs come from the store, the rest is recomputed per mode")
+    questions = json.loads(data.read_text())[:3]
+    rows = []
+    for q in questions:
+        full_ttft = None
+        for mode in MODES:
+            r = service.generate(q["question"], NAMESPACE, top_k=4, mode=mode)
+            ttft = r["timings_ms"]["ttft"]
+            full_ttft = full_ttft or ttft
+            u = r["usage"]
+            rows.append([q["question"], mode, ttft, full_ttft / ttft, u["recomputed_tokens"] / u["prompt_tokens"],
+                         r["answer"], q["answers"][0], {c["tier"] for c in r["chunks"]}])
+    print("| question | mode | TTFT ms | speedup vs full | recomputed | answer | gold | KV from |")
+    print("|---|---|---|---|---|---|---|---|")
+    for question, mode, ttft, speedup, frac, answer, gold, tiers in rows:
+        short = answer if len(answer) <= 60 else answer[:57] + "..."
+        print(f"| {question[:40]} | {mode} | {ttft:.0f} | {speedup:.1f}× | {frac:.0%} | {short} | {gold} | "
+              f"{','.join(sorted(tiers))} |")
+
+    _step(f"evaluate fidelity vs latency on these questions → {out}/pareto.png")
+    cfg = EvalConfig(data, modes=["full", "reuse", "cacheblend", "epic"], ratios=[0.15, 0.5], epic_ks=[16],
+                     top_k=4, limit=len(questions), max_new_tokens=16)
+    results = evaluate(service, cfg)
+    write_results(results, out)
+    print(table(results))
+    service.close()
+    print(f"\ndone in {time.perf_counter() - t_start:.0f} s; results in {out}/ (results.json, results.csv, pareto.png)")
     return 0
+
+
+def _step(text: str) -> None:
+    print(f"\n== {text}", flush=True)

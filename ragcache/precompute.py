@@ -41,8 +41,11 @@ class Summary:
 
 def run_precompute(settings: Settings, workers: int = 1, namespace: str | None = None,
                    progress: bool = True) -> Summary:
+    from .service import RagCache
+
     db = Database(settings.db_url)
     lock = _single_writer_lock(settings, db, workers)
+    service = RagCache(settings)
     try:
         invocation = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         _release_dead_claims(db, db.is_sqlite)
@@ -51,10 +54,7 @@ def run_precompute(settings: Settings, workers: int = 1, namespace: str | None =
         pending = _count(db, namespace, "pending")
         bar = _bar(pending, progress)
         if workers == 1:
-            from .service import RagCache
-
-            _work(RagCache(settings), job_id, namespace, f"{invocation}:0",
-                  on_batch=lambda n: bar.update(n) if bar else None)
+            _work(service, job_id, namespace, f"{invocation}:0", on_batch=lambda n: bar.update(n) if bar else None)
         else:
             ctx = multiprocessing.get_context("spawn")
             threads = max(1, (os.cpu_count() or 1) // workers)
@@ -76,14 +76,11 @@ def run_precompute(settings: Settings, workers: int = 1, namespace: str | None =
         summary = Summary(_count(db, namespace, "done", by=invocation), _count(db, namespace, "failed", by=invocation),
                           skipped)
         _finish_job_if_empty(db, job_id, namespace)
-        from .service import RagCache
-
-        service = RagCache(settings)
         for ns in _namespaces(db, namespace):
             service.sync_index(ns)
-        service.close()
         return summary
     finally:
+        service.close()
         if lock is not None:
             lock.close()
         db.dispose()
@@ -93,7 +90,11 @@ def _worker_main(settings: dict, job_id: int, namespace: str | None, worker: str
     from .service import RagCache
 
     torch.set_num_threads(threads)  # workers share the cores
-    _work(RagCache(Settings(**settings)), job_id, namespace, worker)
+    service = RagCache(Settings(**settings))
+    try:
+        _work(service, job_id, namespace, worker)
+    finally:
+        service.close()
 
 
 def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=None) -> None:

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from sqlalchemy import select
 
-from blend import ALONE, ChunkKV, Runner, compute_chunk, compute_prefix, fuse_and_prefill, load_model, make_policy
+from blend import (ALONE, ChunkKV, Runner, compute_chunk, compute_prefix, fuse_and_prefill, load_model, make_policy,
+                   tokens_only)
 from blend.decode import Sampling, decode
 from blend.prompt import as_ids, chat_frame, encode, stop_token_ids
 
@@ -224,17 +225,19 @@ class RagCache:
             self._check_model(rows.values())
             token_ids = [torch.from_numpy(np.frombuffer(rows[h.id].token_ids, np.int32).astype(np.int64))
                          for h in hits]
-            chunks, tiers = self.load_chunks(token_ids, namespace)
+            if policy.reads_chunk_kv:
+                chunks, tiers = self.load_chunks(token_ids, namespace)
+            else:  # full prefill: nothing comes from the cache
+                chunks, tiers = [tokens_only(ids) for ids in token_ids], ["computed"] * len(token_ids)
             t_load = time.perf_counter()
             suffix = as_ids(encode(self.tokenizer, "Question: " + query) + self.frame.tail)
             fused = fuse_and_prefill(self.runner, self.prefix, chunks, suffix, policy,
                                      headroom=sampling.max_new_tokens)
-            first = fused.logits.argmax()  # TTFT ends when the first token is known
+            int(fused.logits.argmax())  # the first token is known (and a GPU synchronised): TTFT ends
             t_first = time.perf_counter()
             answer_ids = decode(self.runner, fused.cache, fused.logits, sampling, self.stops)
             t_end = time.perf_counter()
             self.runner.release(fused.cache)
-            del first
         prompt = fused.layout.total
         recomputed = int(fused.kv_rows[-1].numel())
         ms = lambda a, b: round((b - a) * 1000, 2)  # noqa: E731

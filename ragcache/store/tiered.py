@@ -20,6 +20,7 @@ from sqlalchemy import delete, select
 from ..meta import Database, KVEntry, utcnow
 from .codec import CorruptBlob, StoredKV, checksum, from_bytes, to_bytes
 from .policy import make_policy
+from .tier import Tier
 
 _FLAG = {"disk": "on_disk", "redis": "in_redis"}
 
@@ -35,7 +36,7 @@ class Hit:
 
 
 class TieredStore:
-    def __init__(self, db: Database, memory_tiers: list, blob_tiers: list, policy: str = "lru",
+    def __init__(self, db: Database, memory_tiers: list[Tier], blob_tiers: list[Tier], policy: str = "lru",
                  write_back: bool = False, orphan_grace_s: float = 60.0):
         if not blob_tiers and not write_back:
             raise ValueError("write-through needs at least one blob tier (disk or redis)")

@@ -139,3 +139,14 @@ def test_make_policy_names_a_bad_mode():
 def test_empty_suffix_is_refused(smol_runner, parts, chunks):
     with pytest.raises(ValueError, match="suffix"):
         fuse_and_prefill(smol_runner, parts[0], chunks, torch.empty(0, dtype=torch.long), Full())
+
+
+def test_full_needs_no_chunk_kv_and_other_policies_refuse_tokens_only(smol_runner, parts, chunks, reference):
+    from blend import tokens_only
+
+    prefix, _, suffix = parts
+    bare = [tokens_only(c.token_ids) for c in chunks]
+    res = fuse_and_prefill(smol_runner, prefix, bare, suffix, Full())
+    assert (res.logits - reference[0]).abs().max() <= TOL
+    with pytest.raises(ValueError, match="reads chunk KV"):
+        fuse_and_prefill(smol_runner, prefix, bare, suffix, Reuse())

@@ -1,0 +1,247 @@
+"""Quality vs latency: every mode against full prefill on a MuSiQue/CacheBlend-format file.
+
+Per question, each retrieved passage is one chunk whose KV is computed before any timing and
+kept in the chosen tier. TTFT runs from the request start (loading chunk KVs from the tier)
+to the first token. Fidelity is measured against full prefill of the same tokens: answer F1,
+first-token agreement, KL(full ‖ mode) of the first token and, teacher-forced along the full
+answer, of up to 16 more.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from blend import CacheBlend, Epic, Full, Prefix, Reuse, compute_chunk, fuse_and_prefill, tokens_only
+from blend.decode import Sampling, decode
+from blend.prompt import as_ids, encode
+
+from .chunking import SEPARATOR
+from .errors import UserError
+from .meta import Database
+from .metrics import best_f1, f1, kl
+from .store import TieredStore, decode as decode_kv, encode as encode_kv, kv_key
+from .store.disk import DiskTier
+from .store.memory import MemoryTier
+
+METRICS = ("ttft_s_median", "speedup_vs_full", "f1_gold", "f1_vs_full", "top1_agree", "kl_first", "kl_tf",
+           "recompute_fraction")
+
+
+@dataclass
+class EvalConfig:
+    dataset: Path
+    modes: list[str] = field(default_factory=lambda: ["full", "reuse", "prefix", "cacheblend", "epic"])
+    ratios: list[float] = field(default_factory=lambda: [0.05, 0.15, 0.3, 0.5])
+    epic_ks: list[int] = field(default_factory=lambda: [4, 16, 32])
+    top_k: int = 4
+    retrieval: str = "given"  # given | faiss
+    chunk_prefill: str = "alone"  # alone | prefixed
+    kv_dtype: str = "auto"
+    tier: str = "cpu"  # cpu | disk
+    limit: int | None = None
+    max_new_tokens: int = 24
+    tf_tokens: int = 16
+
+
+def load_dataset(path: Path, limit: int | None) -> list[dict]:
+    try:
+        data = json.loads(Path(path).read_text())
+        for item in data:
+            assert isinstance(item["question"], str) and isinstance(item["answers"], list)
+            assert all(isinstance(c["text"], str) for c in item["ctxs"])
+    except FileNotFoundError:
+        raise UserError(f"dataset {path} not found") from None
+    except (json.JSONDecodeError, TypeError, KeyError, AssertionError):
+        raise UserError(f'{path}: expected a list of {{"question", "answers": [..], "ctxs": [{{"title", "text"}}]}}') \
+            from None
+    return data[:limit] if limit else data
+
+
+def policies(cfg: EvalConfig) -> list[tuple[str, object]]:
+    """(label, policy) in the results' naming: full, reuse, prefix, cacheblend@0.15, epic@16, …"""
+    unknown = set(cfg.modes) - {"full", "reuse", "prefix", "cacheblend", "epic"}
+    if unknown:
+        raise UserError(f"unknown mode(s) {', '.join(sorted(unknown))}: use full, reuse, prefix, cacheblend, epic")
+    out = [("full", Full())]  # the reference: always measured
+    out += [("reuse", Reuse())] if "reuse" in cfg.modes else []
+    out += [("prefix", Prefix())] if "prefix" in cfg.modes else []
+    out += [(f"cacheblend@{r:g}", CacheBlend(ratio=r)) for r in cfg.ratios] if "cacheblend" in cfg.modes else []
+    out += [(f"epic@{k}", Epic(k=k)) for k in cfg.epic_ks] if "epic" in cfg.modes else []
+    return out
+
+
+class _Passages:
+    """Each distinct passage's chunk KV, computed once and kept in the chosen tier."""
+
+    def __init__(self, service, cfg: EvalConfig, root: Path):
+        self.service, self.cfg = service, cfg
+        self.kv_dtype = service.kv_dtype if cfg.kv_dtype == "auto" else cfg.kv_dtype
+        room = 1 << 40 if cfg.tier == "cpu" else 0
+        self.store = TieredStore(Database(f"sqlite:///{root / 'eval.db'}"), [MemoryTier("cpu", "cpu", room)],
+                                 [DiskTier(root / "kv", 1 << 40)])
+        self.context = service.prefix.key if cfg.chunk_prefill == "prefixed" else ""
+        self.token_ids: dict[str, torch.Tensor] = {}
+
+    def ids(self, text: str) -> torch.Tensor:
+        return as_ids(encode(self.service.tokenizer, text + SEPARATOR))
+
+    def key(self, ids: torch.Tensor) -> str:
+        return kv_key(self.service.model.fingerprint, ids, self.context, self.kv_dtype, "eval")
+
+    def ensure(self, texts: list[str]) -> list[str]:
+        keys = []
+        for text in texts:
+            ids = self.ids(text)
+            key = self.key(ids)
+            self.token_ids[key] = ids
+            if not self.store.contains(key):
+                behind = self.service.prefix if self.cfg.chunk_prefill == "prefixed" else None
+                self.store.put(key, encode_kv(compute_chunk(self.service.runner, ids, behind), self.kv_dtype))
+            keys.append(key)
+        return keys
+
+    def load(self, keys: list[str]):
+        m = self.service.model
+        return [decode_kv(hit.entry, m.dtype, m.device) for hit in self.store.get_many(keys)]
+
+
+def _retriever(service, cfg: EvalConfig, data: list[dict], root: Path):
+    if cfg.retrieval == "given":
+        return lambda item: [c["text"] for c in item["ctxs"][: cfg.top_k]]
+    if cfg.retrieval != "faiss":
+        raise UserError("retrieval must be given or faiss")
+    from index import VectorIndex
+
+    texts = sorted({c["text"] for item in data for c in item["ctxs"]})
+    index = VectorIndex(root / "index", service.embedder.dim)
+    index.add("eval", np.arange(len(texts)), service.embedder.embed(texts))
+    return lambda item: [texts[i] for i, _ in index.search("eval", service.embedder.embed([item["question"]])[0],
+                                                          cfg.top_k)]
+
+
+def _run_mode(service, passages: _Passages, keys, suffix, policy, cfg: EvalConfig, reference=None) -> dict:
+    """One request: TTFT, then the teacher-forced logits along `reference` ids, then the answer."""
+    runner = service.runner
+    t0 = time.perf_counter()
+    chunks = passages.load(keys) if policy.reads_chunk_kv else [tokens_only(passages.token_ids[k]) for k in keys]
+    fused = fuse_and_prefill(runner, service.prefix, chunks, suffix, policy, headroom=cfg.max_new_tokens + cfg.tf_tokens)
+    first = int(fused.logits.argmax())
+    ttft = time.perf_counter() - t0
+    total = fused.layout.total
+
+    def forced(ids: list[int]) -> torch.Tensor:  # (m, V): the distributions before each of ids[:m]
+        m = max(1, min(cfg.tf_tokens, len(ids)))
+        rest = [] if m == 1 else [runner.forward_selected(fused.cache, torch.tensor(ids[: m - 1]),
+                                                          torch.arange(total, total + m - 1), all_logits=True).logits]
+        fused.cache.length = total  # those rows were scratch: decoding starts right after the prompt
+        return torch.cat([fused.logits[None], *rest])
+
+    tf = forced(reference) if reference is not None else None
+    answer = decode(runner, fused.cache, fused.logits, Sampling(cfg.max_new_tokens), service.stops)
+    if reference is None:
+        tf = forced(answer)  # full prefill: its own answer is the reference
+    layout, last = fused.layout, fused.kv_rows[-1]
+    context = layout.suffix_start - layout.prefix_len
+    recomputed = int(((last >= layout.prefix_len) & (last < layout.suffix_start)).sum())
+    runner.release(fused.cache)
+    return {"ttft_s": ttft, "first": first, "answer_ids": answer, "tf": tf,
+            "recompute_fraction": recomputed / max(context, 1)}
+
+
+def evaluate(service, cfg: EvalConfig, progress: bool = True) -> dict:
+    data = load_dataset(cfg.dataset, cfg.limit)
+    if not data:
+        raise UserError(f"{cfg.dataset} holds no questions")
+    modes = policies(cfg)
+    tok = service.tokenizer
+    per_question = []
+    with tempfile.TemporaryDirectory(prefix="ragcache-eval-") as tmp:
+        root = Path(tmp)
+        passages = _Passages(service, cfg, root)
+        retrieve = _retriever(service, cfg, data, root)
+        bar = _bar(len(data), progress)
+        for n, item in enumerate(data):
+            keys = passages.ensure(retrieve(item))
+            suffix = as_ids(encode(tok, "Question: " + item["question"]) + service.frame.tail)
+            if n == 0:  # warm every path once, untimed
+                for _, policy in modes:
+                    _run_mode(service, passages, keys, suffix, policy, cfg, reference=[])
+            full = _run_mode(service, passages, keys, suffix, modes[0][1], cfg)
+            full_text = tok.decode(full["answer_ids"], skip_special_tokens=True).strip()
+            row = {"question": item["question"], "answers": item["answers"], "modes": {}}
+            for label, policy in modes:
+                out = full if label == "full" else _run_mode(service, passages, keys, suffix, policy, cfg,
+                                                            reference=full["answer_ids"])
+                text = tok.decode(out["answer_ids"], skip_special_tokens=True).strip()
+                m = min(len(full["tf"]), len(out["tf"]))
+                row["modes"][label] = {
+                    "answer": text, "ttft_s": out["ttft_s"], "f1_gold": best_f1(text, item["answers"]),
+                    "f1_vs_full": f1(text, full_text), "top1_agree": float(out["first"] == full["first"]),
+                    "kl_first": float(kl(full["tf"][0], out["tf"][0])),
+                    "kl_tf": float(kl(full["tf"][:m], out["tf"][:m]).mean()),
+                    "recompute_fraction": out["recompute_fraction"]}
+            per_question.append(row)
+            if bar:
+                bar.update(1)
+        if bar:
+            bar.close()
+        passages.store.close()
+    return {"model": service.model.name, "dataset": str(cfg.dataset), "n": len(per_question), "top_k": cfg.top_k,
+            "retrieval": cfg.retrieval, "chunk_prefill": cfg.chunk_prefill, "tier": cfg.tier,
+            "kv_dtype": passages.kv_dtype, "modes": _aggregate(per_question, [m for m, _ in modes]),
+            "per_question": per_question}
+
+
+def _aggregate(rows: list[dict], labels: list[str]) -> dict:
+    full_ttft = statistics.median(r["modes"]["full"]["ttft_s"] for r in rows)
+    out = {}
+    for label in labels:
+        ms = [r["modes"][label] for r in rows]
+        ttft = statistics.median(m["ttft_s"] for m in ms)
+        mean = lambda key: sum(m[key] for m in ms) / len(ms)  # noqa: E731
+        out[label] = {"ttft_s_median": ttft, "speedup_vs_full": full_ttft / ttft, "f1_gold": mean("f1_gold"),
+                      "f1_vs_full": mean("f1_vs_full"), "top1_agree": mean("top1_agree"),
+                      "kl_first": mean("kl_first"), "kl_tf": mean("kl_tf"),
+                      "recompute_fraction": mean("recompute_fraction")}
+    return out
+
+
+def write_results(results: dict, out: Path) -> None:
+    """results.json, results.csv, pareto.png into `out`."""
+    from .plot import pareto
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["mode", *METRICS])
+        for label, m in results["modes"].items():
+            w.writerow([label, *(f"{m[k]:.6g}" for k in METRICS)])
+    pareto(results, out / "pareto.png")
+
+
+def table(results: dict) -> str:
+    """The README's Markdown table."""
+    lines = ["| mode | TTFT s (median) | speedup vs full | recomputed | F1 vs full | top-1 agree | KL first | "
+             "KL teacher-forced | gold F1 |", "|---|---|---|---|---|---|---|---|---|"]
+    for label, m in results["modes"].items():
+        lines.append(f"| {label} | {m['ttft_s_median']:.3f} | {m['speedup_vs_full']:.1f}× | "
+                     f"{m['recompute_fraction']:.0%} | {m['f1_vs_full']:.2f} | {m['top1_agree']:.2f} | "
+                     f"{m['kl_first']:.3f} | {m['kl_tf']:.3f} | {m['f1_gold']:.2f} |")
+    return "\n".join(lines)
+
+
+def _bar(total: int, show: bool):
+    if not show:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="question", desc="eval", dynamic_ncols=True)

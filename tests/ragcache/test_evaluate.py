@@ -1,0 +1,71 @@
+"""`ragcache eval` and `ragcache calibrate` on a 2-question, 2-passage file."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ragcache.config import Settings
+from ragcache.evaluate import METRICS, EvalConfig, load_dataset, policies
+from ragcache.errors import UserError
+
+DEMO = Path(__file__).resolve().parents[2] / "demo" / "data" / "musique_demo.json"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("eval") / "tiny.json"
+    items = json.loads(DEMO.read_text())[:2]
+    path.write_text(json.dumps([{**q, "ctxs": q["ctxs"][:2]} for q in items]))
+    return path
+
+
+def test_eval_writes_valid_results_and_full_recompute_matches_full(tmp_path, tiny, smollm):
+    env = {**os.environ, "RAGCACHE_HOME": str(tmp_path / "home"), "RAGCACHE_MODEL": str(smollm.path)}
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "ragcache.cli", "eval", "--dataset", str(tiny), "--top-k", "2",
+                        "--modes", "full,reuse,cacheblend,epic", "--ratios", "1.0,0.15", "--epic-k", "4",
+                        "--max-new-tokens", "8", "--out", str(out), "--quiet"], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    res = json.loads((out / "results.json").read_text())
+    assert {"model", "dataset", "n", "top_k", "modes", "per_question"} <= set(res) and res["n"] == 2
+    assert list(res["modes"]) == ["full", "reuse", "cacheblend@1", "cacheblend@0.15", "epic@4"]
+    for m in res["modes"].values():
+        assert set(m) == set(METRICS)
+    full, exact = res["modes"]["full"], res["modes"]["cacheblend@1"]
+    assert full["f1_vs_full"] == 1 and full["kl_tf"] == 0 and full["top1_agree"] == 1
+    assert exact["f1_vs_full"] == 1 and exact["top1_agree"] == 1 and exact["kl_tf"] < 1e-6
+    assert exact["recompute_fraction"] == 1 and res["modes"]["reuse"]["recompute_fraction"] == 0
+    assert res["modes"]["reuse"]["speedup_vs_full"] > 1
+    assert (out / "results.csv").read_text().splitlines()[0] == "mode," + ",".join(METRICS)
+    assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_calibrate_stores_the_fastest_mode_within_the_target(tmp_path, tiny, smollm):
+    from ragcache.calibrate import calibrate
+    from ragcache.service import RagCache
+
+    service = RagCache(Settings(home=tmp_path / "home", model=str(smollm.path)))
+    cfg = EvalConfig(tiny, modes=["full", "reuse", "cacheblend"], ratios=[0.5], top_k=2, max_new_tokens=4)
+    choice = calibrate(service, cfg, target_kl=0.0, progress=False)
+    assert (choice.mode, choice.param) == ("full", None)  # nothing approximate has zero KL
+    loose = calibrate(service, cfg, target_kl=10.0, progress=False)
+    assert loose.mode == "reuse" and loose.speedup > 1  # everything fits: the fastest wins
+    assert service.policy_for("auto").name == "reuse"
+    service.close()
+
+
+def test_bad_eval_input_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"question": "q"}]')
+    with pytest.raises(UserError, match="expected a list"):
+        load_dataset(bad, None)
+    with pytest.raises(UserError, match="not found"):
+        load_dataset(tmp_path / "missing.json", None)
+    with pytest.raises(UserError, match="unknown mode"):
+        policies(EvalConfig(bad, modes=["full", "turbo"]))
