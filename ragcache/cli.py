@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("what", choices=["load", "prefill", "blend", "store", "precompute", "retrieval"])
     b.add_argument("--tokens", type=int, default=2048, help="prefill: input length")
     b.add_argument("--repeats", type=int, default=5)
-    b.add_argument("--dataset", default="../shared/data/musique_dev.json", help="blend: MuSiQue-format file")
+    b.add_argument("--dataset", default="demo/data/musique_dev.json", help="blend, precompute: MuSiQue-format file")
     b.add_argument("--question", type=int, default=0, help="blend: which question's passages")
     b.add_argument("--passages", type=lambda s: [int(x) for x in s.split(",")], default=[4, 10],
                    help="blend: passage counts, comma-separated")

@@ -28,7 +28,7 @@ def test_eval_writes_valid_results_and_full_recompute_matches_full(tmp_path, tin
     env = {**os.environ, "RAGCACHE_HOME": str(tmp_path / "home"), "RAGCACHE_MODEL": str(smollm.path)}
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "ragcache.cli", "eval", "--dataset", str(tiny), "--top-k", "2",
-                        "--modes", "full,reuse,cacheblend,epic", "--ratios", "1.0,0.15", "--epic-k", "4",
+                        "--modes", "full,reuse,cacheblend,epic", "--ratios", "1.0,0.15", "--epic-k", "4", "--chunk-prefill", "alone",
                         "--max-new-tokens", "8", "--out", str(out), "--quiet"], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr
