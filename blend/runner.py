@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from . import kernels
 from .cache import KVCache
+from .linear import make_linear
 from .model import Model
 from .rope import RopeTable, apply_rope, rope_frequencies
 
@@ -27,7 +28,7 @@ RowFilter = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tens
 @dataclass
 class Layer:
     ln1: torch.Tensor  # (D,)
-    wqkv: torch.Tensor  # ((H + 2·Hkv)·hd, D): q, k, v projections fused
+    wqkv: torch.Tensor  # ((H + 2·Hkv)·hd, D): q, k, v projections fused (weights as `linear.py` prepares them)
     bqkv: torch.Tensor | None  # qwen2's projection biases
     q_norm: torch.Tensor | None  # (hd,) qwen3
     k_norm: torch.Tensor | None
@@ -72,10 +73,11 @@ class Runner:
         self.max_positions = _max_positions(cfg)
         self.device, self.dtype = model.device, model.dtype
         s = model.state
+        prepare, self.linear = make_linear(self.device, self.dtype)
         self.embed = s["model.embed_tokens.weight"]  # (V, D)
         self.norm = s["model.norm.weight"]
-        self.lm_head = s["lm_head.weight"]  # (V, D)
-        self.layers = [self._layer(s, f"model.layers.{i}.") for i in range(self.num_layers)]
+        self.lm_head = prepare(s["lm_head.weight"])  # (V, D)
+        self.layers = [self._layer(s, f"model.layers.{i}.", prepare) for i in range(self.num_layers)]
         inv_freq, scaling = rope_frequencies(cfg)
         self.inv_freq = inv_freq
         self.rope = RopeTable(inv_freq, scaling, self.dtype, self.device)
@@ -83,19 +85,19 @@ class Runner:
         self._spare_lock = threading.Lock()
 
     @staticmethod
-    def _layer(s: dict[str, torch.Tensor], p: str) -> Layer:
+    def _layer(s: dict[str, torch.Tensor], p: str, prepare) -> Layer:
         a = p + "self_attn."
         biases = [s.get(a + f"{x}_proj.bias") for x in "qkv"]
         return Layer(
             ln1=s[p + "input_layernorm.weight"],
-            wqkv=torch.cat([s[a + f"{x}_proj.weight"] for x in "qkv"]),
+            wqkv=prepare(torch.cat([s[a + f"{x}_proj.weight"] for x in "qkv"])),
             bqkv=torch.cat(biases) if all(b is not None for b in biases) else None,
             q_norm=s.get(a + "q_norm.weight"),
             k_norm=s.get(a + "k_norm.weight"),
-            wo=s[a + "o_proj.weight"],
+            wo=prepare(s[a + "o_proj.weight"]),
             ln2=s[p + "post_attention_layernorm.weight"],
-            wgu=torch.cat([s[p + "mlp.gate_proj.weight"], s[p + "mlp.up_proj.weight"]]),
-            wd=s[p + "mlp.down_proj.weight"],
+            wgu=prepare(torch.cat([s[p + "mlp.gate_proj.weight"], s[p + "mlp.up_proj.weight"]])),
+            wd=prepare(s[p + "mlp.down_proj.weight"]),
         )
 
     def new_cache(self, capacity: int) -> KVCache:
@@ -118,7 +120,7 @@ class Runner:
         """x (n, D), pos (n,) → q (n, H, hd), k (n, Hkv, hd) post-RoPE, v (n, Hkv, hd)."""
         w = self.layers[l]
         n, hd = x.shape[0], self.head_dim
-        qkv = F.linear(rms_norm(x, w.ln1, self.eps), w.wqkv, w.bqkv)
+        qkv = self.linear(rms_norm(x, w.ln1, self.eps), w.wqkv, w.bqkv)
         q, k, v = qkv.split([self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], dim=-1)
         q, k, v = q.view(n, -1, hd), k.view(n, -1, hd), v.view(n, -1, hd)
         if w.q_norm is not None:
@@ -129,12 +131,12 @@ class Runner:
     def _finish(self, l: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, MLP. x (n, D), attn (n, H, hd) → (n, D)."""
         w = self.layers[l]
-        x = x + F.linear(attn.reshape(x.shape[0], -1), w.wo)
-        gate, up = F.linear(rms_norm(x, w.ln2, self.eps), w.wgu).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, w.wd)
+        x = x + self.linear(attn.reshape(x.shape[0], -1), w.wo)
+        gate, up = self.linear(rms_norm(x, w.ln2, self.eps), w.wgu).chunk(2, dim=-1)
+        return x + self.linear(F.silu(gate) * up, w.wd)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(rms_norm(x, self.norm, self.eps), self.lm_head).float()
+        return self.linear(rms_norm(x, self.norm, self.eps), self.lm_head).float()
 
     # ---- entry points ----------------------------------------------------------------------
 

@@ -33,7 +33,8 @@ def test_prefill_kv_matches_hf_cache(arch):
     out = runner.prefill(ids)
     for l in (0, runner.num_layers - 1):
         hk, hv = past.layers[l].keys[0], past.layers[l].values[0]  # (Hkv, n, hd)
-        assert torch.allclose(out.k[l], hk, atol=1e-5) and torch.allclose(out.v[l], hv, atol=1e-5)
+        # float32 with different GEMM kernels: ~1e-6 relative on values up to ~20
+        assert torch.allclose(out.k[l], hk, rtol=1e-5, atol=1e-4) and torch.allclose(out.v[l], hv, rtol=1e-5, atol=1e-4)
 
 
 def test_forward_selected_over_all_rows_equals_prefill(arch):
