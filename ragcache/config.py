@@ -3,10 +3,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import field_validator
+from pydantic import ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MODES = ("full", "prefix", "reuse", "cacheblend", "epic", "auto")
+CHOICES = {
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "kv_dtype": ("auto", "float32", "bfloat16", "float16", "int8"),
+    "chunk_prefill": ("prefixed", "alone"),
+    "index_kind": ("flat", "ivf", "hnsw"),
+    "mode": MODES,
+    "eviction": ("gdsf", "lru"),
+    "write_policy": ("write-through", "write-back"),
+}
 DEFAULT_SYSTEM_PROMPT = (
     "You will be asked a question after reading several passages. "
     "Answer it directly from the passages, in a few words. Do not repeat the question."
@@ -57,25 +66,13 @@ class Settings(BaseSettings):
     def db_url(self) -> str:
         return self.database_url or f"sqlite:///{self.home / 'ragcache.db'}"
 
-    @field_validator("kv_dtype")
+    @field_validator(*"dtype kv_dtype chunk_prefill index_kind mode eviction write_policy".split())
     @classmethod
-    def _kv_dtype(cls, v: str) -> str:
-        return _one_of(v, ("auto", "float32", "bfloat16", "float16", "int8"), "kv_dtype")
-
-    @field_validator("chunk_prefill")
-    @classmethod
-    def _chunk_prefill(cls, v: str) -> str:
-        return _one_of(v, ("alone", "prefixed"), "chunk_prefill")
-
-    @field_validator("index_kind")
-    @classmethod
-    def _index_kind(cls, v: str) -> str:
-        return _one_of(v, ("flat", "ivf", "hnsw"), "index_kind")
-
-    @field_validator("mode")
-    @classmethod
-    def _mode(cls, v: str) -> str:
-        return _one_of(v, MODES, "mode")
+    def _choice(cls, v: str, info: ValidationInfo) -> str:
+        allowed = CHOICES[info.field_name]
+        if v not in allowed:
+            raise ValueError(f"{info.field_name} must be one of {', '.join(allowed)}")
+        return v
 
     @field_validator("chunk_tokens", "precompute_batch", "top_k", "lease_seconds")
     @classmethod
@@ -84,30 +81,9 @@ class Settings(BaseSettings):
             raise ValueError("must be >= 1")
         return v
 
-    @field_validator("eviction")
-    @classmethod
-    def _eviction(cls, v: str) -> str:
-        return _one_of(v, ("lru", "gdsf"), "eviction")
-
-    @field_validator("write_policy")
-    @classmethod
-    def _write_policy(cls, v: str) -> str:
-        return _one_of(v, ("write-through", "write-back"), "write_policy")
-
     @field_validator("gpu_cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "redis_cache_bytes")
     @classmethod
     def _nonneg(cls, v: int) -> int:
         if v < 0:
             raise ValueError("a capacity must be >= 0 bytes")
         return v
-
-    @field_validator("dtype")
-    @classmethod
-    def _dtype(cls, v: str) -> str:
-        return _one_of(v, ("auto", "float32", "bfloat16", "float16"), "dtype")
-
-
-def _one_of(value: str, allowed: tuple[str, ...], name: str) -> str:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}")
-    return value

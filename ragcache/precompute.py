@@ -129,6 +129,8 @@ def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=Non
                     done.append((cid, key, text, n))
                 except Exception as e:  # noqa: BLE001
                     failed.append((cid, f"{type(e).__name__}: {e}"))
+            if service.store.write_back:
+                service.store.flush()  # `done` promises a durable blob, whatever the write policy
             vectors = service.embedder.embed([t for _, _, t, _ in done]) if done else []
             _commit(db, job_id, worker, done, vectors, failed)
             if on_batch:
