@@ -73,8 +73,11 @@ def policies(cfg: EvalConfig) -> list[tuple[str, object]]:
     out = [("full", Full())]  # the reference: always measured
     out += [("reuse", Reuse())] if "reuse" in cfg.modes else []
     out += [("prefix", Prefix())] if "prefix" in cfg.modes else []
-    out += [(f"cacheblend@{r:g}", CacheBlend(ratio=r)) for r in cfg.ratios] if "cacheblend" in cfg.modes else []
-    out += [(f"epic@{k}", Epic(k=k)) for k in cfg.epic_ks] if "epic" in cfg.modes else []
+    try:
+        out += [(f"cacheblend@{r:g}", CacheBlend(ratio=r)) for r in cfg.ratios] if "cacheblend" in cfg.modes else []
+        out += [(f"epic@{k}", Epic(k=k)) for k in cfg.epic_ks] if "epic" in cfg.modes else []
+    except ValueError as e:  # a knob out of range, named by the policy
+        raise UserError(str(e)) from None
     return out
 
 

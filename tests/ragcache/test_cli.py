@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 
 def _run(*args: str, env=None) -> subprocess.CompletedProcess:
@@ -30,3 +31,10 @@ def test_bad_setting_is_named(monkeypatch):
 def test_missing_model_path_is_one_line(tmp_path):
     r = _run("--model", str(tmp_path / "missing"), "demo")
     assert r.returncode == 1 and "config.json missing" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_eval_knob_out_of_range_is_named():
+    dataset = Path(__file__).parents[2] / "demo" / "data" / "musique_demo.json"
+    for flag, value, words in [("--ratios", "2", "ratio must be in [0, 1]"), ("--epic-k", "-1", "epic k must be >= 0")]:
+        r = _run("eval", "--dataset", str(dataset), flag, value)
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
