@@ -34,10 +34,6 @@ class KVCache:
         grown.v[:, :, : self.length] = self.v[:, :, : self.length]
         self.k, self.v = grown.k, grown.v
 
-    def layer(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of layer l: (Hkv, length, hd) views."""
-        return self.k[l, :, : self.length], self.v[l, :, : self.length]
-
     def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of rows [start, end) across layers: (L, Hkv, end - start, hd) views."""
         return self.k[:, :, start:end], self.v[:, :, start:end]

@@ -54,9 +54,9 @@ class ChunkKV:
         return offset == self.start and before == self.context
 
 
-def tokens_only(token_ids: torch.Tensor, start: int = 0, context: str = ALONE) -> ChunkKV:
+def tokens_only(token_ids: torch.Tensor) -> ChunkKV:
     """A chunk for a policy that recomputes it whole (`reads_chunk_kv` False): no KV to load."""
-    return ChunkKV(token_ids, None, None, start, context)
+    return ChunkKV(token_ids, None, None, 0, ALONE)
 
 
 def compute_prefix(runner: Runner, token_ids: torch.Tensor) -> PrefixKV:

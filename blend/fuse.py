@@ -46,14 +46,14 @@ class FusedResult:
 
 
 def layout_of(prefix: PrefixKV | None, chunks: list[ChunkKV], suffix_len: int) -> Layout:
-    offset = len(prefix) if prefix is not None else 0
+    prefix_len = offset = len(prefix) if prefix is not None else 0
     before = prefix.key if prefix is not None else ALONE
     spans, exact = [], []
     for i, c in enumerate(chunks):
         spans.append((offset, offset + len(c)))
         exact.append(i == 0 and c.is_exact_at(offset, before))  # only the first can follow exactly its context
         offset += len(c)
-    return Layout(len(prefix) if prefix is not None else 0, spans, exact, offset + suffix_len)
+    return Layout(prefix_len, spans, exact, offset + suffix_len)
 
 
 def assemble(runner: Runner, prefix: PrefixKV | None, chunks: list[ChunkKV], layout: Layout,
@@ -86,8 +86,11 @@ def _needed(layout: Layout, plan: Plan) -> list[bool]:
     """A chunk's cached KV is needed unless the plan recomputes all its rows on every layer."""
     if plan.row_filter is not None:
         return [True] * len(layout.spans)
-    recomputed = set(plan.rows.tolist())
-    return [not all(r in recomputed for r in range(a, b)) for a, b in layout.spans]
+    if not layout.spans:
+        return []
+    spans = torch.tensor(layout.spans)  # (chunks, 2); plan.rows ascending and distinct
+    inside = torch.searchsorted(plan.rows.cpu(), spans).diff(dim=1)[:, 0]  # recomputed rows per chunk
+    return (inside != spans.diff(dim=1)[:, 0]).tolist()
 
 
 def fuse_and_prefill(runner: Runner, prefix_kv: PrefixKV | None, chunk_kvs: list[ChunkKV],

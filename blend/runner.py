@@ -9,7 +9,7 @@ Decoding is `forward_selected` of one new row at the end of the cache.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -50,7 +50,6 @@ class Selected:
     logits: torch.Tensor  # (V,) for the last row, or (m, V) for every final row with all_logits
     kv_rows: list[torch.Tensor]  # per layer: rows whose K/V were recomputed (same tensor while unchanged)
     out_rows: list[torch.Tensor]  # per layer: rows whose attention and MLP ran (fewer at a filtering layer)
-    deviations: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # layer → (dev_k, dev_v)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -116,8 +115,8 @@ class Runner:
 
     # ---- the transformer block -------------------------------------------------------------
 
-    def _qkv(self, l: int, x: torch.Tensor, pos: torch.Tensor):
-        """x (n, D), pos (n,) → q (n, H, hd), k (n, Hkv, hd) post-RoPE, v (n, Hkv, hd)."""
+    def _qkv(self, l: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x (n, D), cos/sin (n, 1, hd) of the rows' positions → q (n, H, hd), k (n, Hkv, hd) post-RoPE, v."""
         w = self.layers[l]
         n, hd = x.shape[0], self.head_dim
         qkv = self.linear(rms_norm(x, w.ln1, self.eps), w.wqkv, w.bqkv)
@@ -125,7 +124,6 @@ class Runner:
         q, k, v = q.view(n, -1, hd), k.view(n, -1, hd), v.view(n, -1, hd)
         if w.q_norm is not None:
             q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
-        cos, sin = self.rope(pos)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _finish(self, l: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -150,12 +148,13 @@ class Runner:
         k_out = torch.empty(self.num_layers, self.num_kv_heads, n, self.head_dim, dtype=self.dtype, device=self.device)
         v_out = torch.empty_like(k_out)
         local = torch.arange(n, device=self.device)  # causal order = row order
+        plan, (cos, sin) = kernels.attention_plan(local), self.rope(pos)
         x = self.embed[token_ids]
         for l in range(self.num_layers):
-            q, k, v = self._qkv(l, x, pos)
+            q, k, v = self._qkv(l, x, cos, sin)
             k_out[l] = k.transpose(0, 1)
             v_out[l] = v.transpose(0, 1)
-            x = self._finish(l, x, kernels.selected_attention(q, k_out[l], v_out[l], local, self.scale))
+            x = self._finish(l, x, kernels.selected_attention(q, k_out[l], v_out[l], local, self.scale, plan))
         return Prefill(self._logits(x[-1:])[0], k_out, v_out)
 
     @torch.inference_mode()
@@ -178,29 +177,29 @@ class Runner:
         x = self.embed[token_ids.to(self.device)]  # (n, D)
         kv_rows: list[torch.Tensor] = []
         out_rows: list[torch.Tensor] = []
-        deviations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        plan = kernels.attention_plan(rows)
+        plan, (cos, sin) = kernels.attention_plan(rows), self.rope(rows)
+        first = int(rows[0])
         for l in range(self.num_layers):
             kv_rows.append(rows)
-            q, k, v = self._qkv(l, x, rows)
+            q, k, v = self._qkv(l, x, cos, sin)
             ck, cv = cache.k[l], cache.v[l]  # (Hkv, capacity, hd)
             if l in deviation_layers:
-                deviations[l] = (kernels.deviation_scatter_(ck, rows, k), kernels.deviation_scatter_(cv, rows, v))
-                keep = row_filter(l, rows, *deviations[l]) if row_filter is not None else None
+                dev = kernels.deviation_scatter_(ck, rows, k), kernels.deviation_scatter_(cv, rows, v)
+                keep = row_filter(l, rows, *dev) if row_filter is not None else None
                 if keep is not None and keep.shape[0] != rows.shape[0]:
-                    rows, x, q = rows[keep], x[keep], q[keep]
-                    end = int(rows[-1]) + 1
+                    rows, x, q, cos, sin = rows[keep], x[keep], q[keep], cos[keep], sin[keep]
+                    first, end = int(rows[0]), int(rows[-1]) + 1
                     plan = kernels.attention_plan(rows)
-            elif end - int(rows[0]) == rows.shape[0]:  # contiguous rows: a plain slice write
-                ck[:, int(rows[0]) : end] = k.transpose(0, 1)
-                cv[:, int(rows[0]) : end] = v.transpose(0, 1)
+            elif end - first == rows.shape[0]:  # contiguous rows: a plain slice write
+                ck[:, first:end] = k.transpose(0, 1)
+                cv[:, first:end] = v.transpose(0, 1)
             else:
                 ck.index_copy_(1, rows, k.transpose(0, 1))
                 cv.index_copy_(1, rows, v.transpose(0, 1))
             out_rows.append(rows)
             x = self._finish(l, x, kernels.selected_attention(q, ck[:, :end], cv[:, :end], rows, self.scale, plan))
         logits = self._logits(x) if all_logits else self._logits(x[-1:])[0]
-        return Selected(logits, kv_rows, out_rows, deviations)
+        return Selected(logits, kv_rows, out_rows)
 
     def row_work(self) -> tuple[int, int]:
         """Multiply-adds per row and layer: (q/k/v projections, everything after them)."""
