@@ -117,7 +117,8 @@ def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=Non
                     key = service.kv_key_of(ids, ns)
                     write = None
                     if not service.store.contains(key):  # the same text elsewhere in the namespace: one entry
-                        write = writer.submit(service.store.put, key, service.store_encode(service.compute_chunk_kv(ids)))
+                        kv = service.store_encode(service.compute_chunk_kv(ids))
+                        write = writer.submit(service.store.put, key, kv, durable=True)  # `done` promises a blob
                     pending.append((cid, key, text, int(ids.numel()), write))
                 except Exception as e:  # noqa: BLE001 — a failing chunk is recorded, the job goes on
                     failed.append((cid, f"{type(e).__name__}: {e}"))
@@ -129,8 +130,6 @@ def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=Non
                     done.append((cid, key, text, n))
                 except Exception as e:  # noqa: BLE001
                     failed.append((cid, f"{type(e).__name__}: {e}"))
-            if service.store.write_back:
-                service.store.flush()  # `done` promises a durable blob, whatever the write policy
             vectors = service.embedder.embed([t for _, _, t, _ in done]) if done else []
             _commit(db, job_id, worker, done, vectors, failed)
             if on_batch:

@@ -57,51 +57,56 @@ class TieredStore:
 
     # ---- writes ------------------------------------------------------------------------------
 
-    def put(self, key: str, entry: StoredKV, *, pinned: bool = False) -> None:
-        if pinned:
-            with self._lock:
+    def put(self, key: str, entry: StoredKV, *, pinned: bool = False, durable: bool = False) -> None:
+        """Store `entry`; `durable` persists it now even under write-back (the precompute job's promise)."""
+        with self._lock:
+            if pinned:
                 self._pinned.add(key)
-        if self.write_back:
-            with self._lock:
+            deferred = self.write_back and not durable
+            if deferred:
                 self._dirty.add(key)
-        else:
-            self._persist(key, entry, pinned)
+        if not deferred:
+            self._persist(key, entry)
         self._admit(key, entry)
+        if deferred and not any(t.contains(key) for t in self.memory):
+            self._persist(key, entry)  # no memory tier took it: write back now or lose it
 
-    def _persist(self, key: str, entry: StoredKV, pinned: bool | None = None) -> None:
+    def _persist(self, key: str, entry: StoredKV) -> None:
         """Blob into every blob tier (durable first), then the row: a row never lacks its blob."""
         blob = to_bytes(entry)
-        present = {}
+        csum = checksum(blob)
         for tier in self.blobs:
             self._make_room(tier, len(blob), key)
             tier.put(key, blob)
             self._touch(tier, key, entry)
-            present[_FLAG[tier.name]] = True
         with self.db.session() as s:
             row = s.get(KVEntry, key)
             if row is None:
-                row = KVEntry(key=key, n_tokens=entry.token_ids.numel(), bytes=len(blob), checksum=checksum(blob),
-                              kv_dtype=entry.kv_dtype)
+                row = KVEntry(key=key, n_tokens=entry.token_ids.numel(), kv_dtype=entry.kv_dtype)
                 s.add(row)
-            row.bytes, row.checksum = len(blob), checksum(blob)
-            for flag in present:
-                setattr(row, flag, True)
-            if pinned is not None:
-                row.pinned = row.pinned or pinned
+            row.bytes, row.checksum = len(blob), csum
+            for tier in self.blobs:
+                setattr(row, _FLAG[tier.name], True)
+            row.pinned = row.pinned or key in self._pinned
         with self._lock:
             self._dirty.discard(key)
 
     def _admit(self, key: str, entry: StoredKV, below: int | None = None) -> None:
         """Insert into the memory tiers above index `below` (all of them by default)."""
         for tier in self.memory[:below]:
-            if entry.nbytes > tier.capacity_bytes():
-                continue
-            with self._lock:
-                self._make_room(tier, entry.nbytes, key)
-                if tier.used_bytes() + entry.nbytes > tier.capacity_bytes() and key not in self._pinned:
-                    continue  # only pinned entries left: not admitted here
-                tier.put(key, entry)
-                self._touch(tier, key, entry)
+            self._admit_one(tier, key, entry)
+
+    def _admit_one(self, tier, key: str, entry: StoredKV) -> bool:
+        """Into one memory tier, making room; False when it does not fit (only pinned entries left)."""
+        if entry.nbytes > tier.capacity_bytes():
+            return False
+        with self._lock:
+            self._make_room(tier, entry.nbytes, key)
+            if tier.used_bytes() + entry.nbytes > tier.capacity_bytes() and key not in self._pinned:
+                return False
+            tier.put(key, entry)
+            self._touch(tier, key, entry)
+            return True
 
     def _touch(self, tier, key: str, entry: StoredKV) -> None:
         with self._lock:
@@ -118,19 +123,17 @@ class TieredStore:
                     if tier.holds_blobs and incoming_key not in self._pinned:
                         raise StoreFull(f"{tier.name} tier is full of pinned entries")
                     return
-                self._policy[tier.name].remove(victim)
-                value = tier.get(victim)
-                tier.delete(victim)
+                value = None if tier.holds_blobs else tier.get(victim)  # a blob is not read to be dropped
+                self._forget(tier, victim)
                 self.evictions[tier.name] += 1
             self._demoted(tier, victim, value)
 
     def _demoted(self, tier, key: str, value) -> None:
         """After `key` left `tier`: keep it one level down, or record that it is gone from there."""
         if not tier.holds_blobs:
-            idx = self.memory.index(tier)
-            if idx + 1 < len(self.memory):
-                self._admit_one(self.memory[idx + 1], key, value)
-            elif key in self._dirty:
+            lower = self.memory[self.memory.index(tier) + 1 :]
+            kept = any(t.contains(key) for t in lower) or bool(lower and self._admit_one(lower[0], key, value))
+            if not kept and key in self._dirty:
                 self._persist(key, value)
             return
         with self.db.session() as s:
@@ -140,12 +143,10 @@ class TieredStore:
                 if not row.on_disk and not row.in_redis:
                     s.delete(row)
 
-    def _admit_one(self, tier, key: str, entry: StoredKV) -> None:
+    def _forget(self, tier, key: str) -> None:
         with self._lock:
-            self._make_room(tier, entry.nbytes, key)
-            if tier.used_bytes() + entry.nbytes <= tier.capacity_bytes():
-                tier.put(key, entry)
-                self._touch(tier, key, entry)
+            self._policy[tier.name].remove(key)
+            tier.delete(key)
 
     def flush(self) -> None:
         """Write-back entries made durable; pending hit counts written to their rows."""
@@ -153,6 +154,9 @@ class TieredStore:
             entry = next((t.get(key) for t in self.memory if t.contains(key)), None)
             if entry is not None:
                 self._persist(key, entry)
+        self._write_hits()
+
+    def _write_hits(self) -> None:
         with self._lock:
             pending, self._pending_hits = self._pending_hits, Counter()
         if pending:
@@ -208,7 +212,7 @@ class TieredStore:
             except CorruptBlob:
                 with self._lock:
                     self.corrupt += 1
-        tier.delete(key)  # missing or bad: drop it, never serve it
+        self._forget(tier, key)  # missing or bad: drop it, never serve it
         self._demoted(tier, key, None)
         return None
 
@@ -216,11 +220,10 @@ class TieredStore:
         with self._lock:
             self.hits[tier.name] += 1
             self._pending_hits[key] += 1
-            if tier.name in self._policy:
-                self._policy[tier.name].touch(key, entry.nbytes, float(entry.token_ids.numel()))
-            flush = len(self._pending_hits) >= 256
-        if flush:
-            self.flush()
+            self._touch(tier, key, entry)
+            due = len(self._pending_hits) >= 256
+        if due:
+            self._write_hits()
 
     def contains(self, key: str) -> bool:
         if any(t.contains(key) for t in self.memory):
@@ -233,20 +236,11 @@ class TieredStore:
     def delete(self, key: str) -> None:
         with self._lock:
             for tier in self.tiers:
-                tier.delete(key)
-                self._policy[tier.name].remove(key)
+                self._forget(tier, key)
             self._pinned.discard(key)
             self._dirty.discard(key)
         with self.db.session() as s:
             s.execute(delete(KVEntry).where(KVEntry.key == key))
-
-    def pin(self, key: str, pinned: bool = True) -> None:
-        with self._lock:
-            (self._pinned.add if pinned else self._pinned.discard)(key)
-        with self.db.session() as s:
-            row = s.get(KVEntry, key)
-            if row is not None:
-                row.pinned = pinned
 
     def recover(self, orphan_grace_s: float = 60.0) -> dict[str, int]:
         """At start: rows whose blob is gone are repaired, blobs without a row are removed."""
@@ -264,17 +258,17 @@ class TieredStore:
                 if not row.on_disk and not row.in_redis:
                     s.delete(row)
                     fixed["dropped_row"] += 1
-            known = {r.key for r in rows if r.on_disk or r.in_redis}
+            known = {r.key: (r.bytes, float(r.n_tokens)) for r in rows if r.on_disk or r.in_redis}
         for tier in self.blobs:
             if hasattr(tier, "sweep"):
-                fixed["orphan_blob"] += tier.sweep(known, orphan_grace_s)
+                fixed["orphan_blob"] += tier.sweep(set(known), orphan_grace_s)
             for key in tier.keys():
-                if key in known:
-                    self._policy[tier.name].touch(key, 1, 1.0)
+                if key in known:  # ranked as a put ranks it: size and recompute cost
+                    self._policy[tier.name].touch(key, *known[key])
         return dict(fixed)
 
     def stats(self) -> dict:
-        self.flush()
+        self._write_hits()
         return {
             "tiers": [{"name": t.name, "entries": len(t.keys()), "used_bytes": t.used_bytes(),
                        "capacity_bytes": t.capacity_bytes(), "hits": self.hits[t.name],

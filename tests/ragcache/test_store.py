@@ -188,6 +188,33 @@ def test_write_back_commits_the_row_only_once_the_blob_is_durable(db, tmp_path):
         assert {r.key for r in s.scalars(select(KVEntry))} == {"a", "b", "c"}
 
 
+def test_write_back_entry_no_memory_tier_takes_is_written_at_once(db, tmp_path):
+    store = make_store(db, tmp_path, cpu_entries=0, write_back=True)
+    store.put("a", encode(fake_chunk(9), "float32"))
+    with db.session() as s:
+        assert s.get(KVEntry, "a").on_disk  # nowhere in memory to wait for a flush
+    assert store.get("a").tier == "disk"
+
+
+def test_a_pin_survives_write_back_and_a_restart(db, tmp_path):
+    store = make_store(db, tmp_path, cpu_entries=2, write_back=True)
+    store.put("p", encode(fake_chunk(10), "float32"), pinned=True)
+    store.close()
+    assert "p" in make_store(db, tmp_path)._pinned
+
+
+def test_after_a_restart_gdsf_ranks_old_blobs_as_new_ones(db, tmp_path):
+    first = make_store(db, tmp_path, cpu_entries=0, disk_entries=4, policy="gdsf")
+    for i in range(2):
+        first.put(f"old{i}", encode(fake_chunk(i), "float32"))
+    reopened = make_store(db, tmp_path, cpu_entries=0, disk_entries=4, policy="gdsf")
+    for i in range(3):  # the third needs room
+        reopened.put(f"new{i}", encode(fake_chunk(10 + i), "float32"))
+    disk = reopened.blobs[0]
+    assert [disk.contains(f"new{i}") for i in range(3)] == [True] * 3  # an unused old one went first
+    assert not disk.contains("old0")
+
+
 def test_keys_separate_tenants_unless_sharing_is_on(db):
     salt_a, salt_b = db.namespace_salt("a", shared=False), db.namespace_salt("b", shared=False)
     assert salt_a != salt_b and db.namespace_salt("a", shared=False) == salt_a
