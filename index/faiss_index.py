@@ -129,8 +129,3 @@ class VectorIndex:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-
-    def drop_cached(self, namespace: str) -> None:
-        """Forget the in-memory copy: the next use reloads the file."""
-        with self._lock:
-            self._parts.pop(namespace, None)

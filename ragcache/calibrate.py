@@ -22,7 +22,7 @@ class Choice:
 
 
 def calibrate(service, cfg: EvalConfig, target_kl: float, progress: bool = True) -> Choice:
-    if target_kl < 0:
+    if not target_kl >= 0:  # NaN too
         raise UserError("--target-kl must be >= 0")
     results = evaluate(service, cfg, progress)
     fits = [(m["speedup_vs_full"], label, m["kl_tf"]) for label, m in results["modes"].items()

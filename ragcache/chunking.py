@@ -44,16 +44,22 @@ def read_documents(path: Path) -> list[Document]:
         return [Document(str(p.relative_to(path)), p.stem, p.read_text(errors="replace")) for p in files]
     if not path.is_file():
         raise UserError(f"{path} not found")
-    if path.suffix == ".jsonl":
-        return _read_jsonl(path)
-    if path.suffix == ".json":
-        return _read_musique(path)
-    raise UserError(f"{path}: expected a .jsonl or .json file or a folder of .txt/.md files")
+    readers = {".jsonl": _read_jsonl, ".json": _read_musique}
+    if path.suffix not in readers:
+        raise UserError(f"{path}: expected a .jsonl or .json file or a folder of .txt/.md files")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} cannot be read as UTF-8 text: {e}") from None
+    docs = readers[path.suffix](path, text)
+    if not docs:
+        raise UserError(f"{path} holds no documents")
+    return docs
 
 
-def _read_jsonl(path: Path) -> list[Document]:
+def _read_jsonl(path: Path, text: str) -> list[Document]:
     docs = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -66,16 +72,16 @@ def _read_jsonl(path: Path) -> list[Document]:
     return docs
 
 
-def _read_musique(path: Path) -> list[Document]:
+def _read_musique(path: Path, text: str) -> list[Document]:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(text)
         ctxs = [c for item in data for c in item["ctxs"]]
         docs = {}
         for c in ctxs:
             doc = Document("", str(c.get("title") or ""), str(c["text"]))
             docs.setdefault(doc.text_hash, Document(f"ctx-{doc.text_hash[:16]}", doc.title, doc.text))
         return list(docs.values())
-    except (json.JSONDecodeError, TypeError, KeyError) as e:
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise UserError(f'{path}: expected a list of {{"question", "answers", "ctxs": [{{"title", "text"}}]}} '
                         f"({type(e).__name__}: {e})") from None
 

@@ -6,9 +6,7 @@ import sys
 
 from pydantic import ValidationError
 
-from blend.model import ModelError
-
-from .config import MODES
+from .config import CHOICES, MODES
 from .errors import UserError
 
 
@@ -27,12 +25,10 @@ def _bench(args, settings) -> int:
 def _ingest(args, settings) -> int:
     from .service import RagCache
 
-    service = RagCache(settings)
-    report = service.ingest(args.path, args.namespace)
-    print(report.line())
-    counts = service.counts(args.namespace)
+    with RagCache(settings) as service:
+        print(service.ingest(args.path, args.namespace).line())
+        counts = service.counts(args.namespace)
     print("chunks by state: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
-    service.close()
     return 0
 
 
@@ -47,11 +43,11 @@ def _precompute(args, settings) -> int:
 def _search(args, settings) -> int:
     from .service import RagCache
 
-    service = RagCache(settings)
-    for hit in service.search(args.query, args.namespace, args.k):
+    with RagCache(settings) as service:
+        hits = service.search(args.query, args.namespace, args.k)
+    for hit in hits:
         words = " ".join(hit.text.split()[:14])
         print(f"{hit.id:>7}  {hit.score:.4f}  {hit.doc_id}  {words}…")
-    service.close()
     return 0
 
 
@@ -60,10 +56,9 @@ def _ask(args, settings) -> int:
 
     from .service import RagCache
 
-    service = RagCache(settings)
-    out = service.generate(args.question, args.namespace, args.k, args.mode, ratio=args.ratio, k=args.epic_k,
-                           max_new_tokens=args.max_new_tokens)
-    service.close()
+    with RagCache(settings) as service:
+        out = service.generate(args.question, args.namespace, args.k, args.mode, ratio=args.ratio, k=args.epic_k,
+                               max_new_tokens=args.max_new_tokens)
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -102,20 +97,18 @@ def _eval_config(args, settings):
 
 
 def _eval(args, settings) -> int:
-    from pathlib import Path
-
-    from .evaluate import evaluate, table, write_results
+    from .evaluate import evaluate, output_dir, table, write_results
     from .service import RagCache
 
-    service = RagCache(settings)
-    results = evaluate(service, _eval_config(args, settings), progress=not args.quiet)
-    write_results(results, Path(args.out))
+    out = output_dir(args.out)  # a bad --out fails now, not after the run
+    with RagCache(settings) as service:
+        results = evaluate(service, _eval_config(args, settings), progress=not args.quiet)
+    write_results(results, out)
     print(f"{results['model']}, {results['dataset']}: n={results['n']}, top-k {results['top_k']} "
           f"({results['retrieval']}), chunks {results['chunk_prefill']}, {results['kv_dtype']} KV in the "
           f"{results['tier']} tier")
     print(table(results))
     print(f"wrote {args.out}/results.json, results.csv, pareto.png")
-    service.close()
     return 0
 
 
@@ -123,10 +116,9 @@ def _calibrate(args, settings) -> int:
     from .calibrate import calibrate
     from .service import RagCache
 
-    service = RagCache(settings)
-    choice = calibrate(service, _eval_config(args, settings), args.target_kl, progress=not args.quiet)
+    with RagCache(settings) as service:
+        choice = calibrate(service, _eval_config(args, settings), args.target_kl, progress=not args.quiet)
     print(choice.line())
-    service.close()
     return 0
 
 
@@ -137,9 +129,9 @@ def _add_eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epic-k", type=_ints, default=[4, 16, 32], help="epic: tokens per chunk")
     p.add_argument("--top-k", type=_positive, default=4)
     p.add_argument("--retrieval", choices=["given", "faiss"], default="given")
-    p.add_argument("--chunk-prefill", choices=["alone", "prefixed"], default=None,
+    p.add_argument("--chunk-prefill", choices=CHOICES["chunk_prefill"], default=None,
                    help="default: the RAGCACHE_CHUNK_PREFILL setting (prefixed)")
-    p.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16", "float16", "int8"], default="auto")
+    p.add_argument("--kv-dtype", choices=CHOICES["kv_dtype"], default="auto")
     p.add_argument("--tier", choices=["cpu", "disk"], default="cpu")
     p.add_argument("--limit", type=_positive, default=None, help="first N questions")
     p.add_argument("--max-new-tokens", type=_positive, default=24)
@@ -173,14 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks whose output goes into BENCHMARKS.md")
     b.add_argument("what", choices=["load", "prefill", "blend", "store", "precompute", "retrieval"])
-    b.add_argument("--tokens", type=int, default=2048, help="prefill: input length")
-    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--tokens", type=_positive, default=2048, help="prefill: input length")
+    b.add_argument("--repeats", type=_positive, default=5)
     b.add_argument("--dataset", default="demo/data/musique_dev.json", help="blend, precompute: MuSiQue-format file")
     b.add_argument("--question", type=int, default=0, help="blend: which question's passages")
-    b.add_argument("--passages", type=lambda s: [int(x) for x in s.split(",")], default=[4, 10],
-                   help="blend: passage counts, comma-separated")
-    b.add_argument("--chunk-prefill", choices=["alone", "prefixed"], default="alone")
-    b.add_argument("--chunks", type=int, default=None, help="precompute: chunks (40); retrieval: index size (10000)")
+    b.add_argument("--passages", type=_ints, default=[4, 10], help="blend: passage counts, comma-separated")
+    b.add_argument("--chunk-prefill", choices=CHOICES["chunk_prefill"], default="alone")
+    b.add_argument("--chunks", type=_positive, default=None, help="precompute: chunks (40); retrieval: index size (10000)")
     b.set_defaults(func=_bench)
 
     i = sub.add_parser("ingest", help="add documents: a .jsonl, a MuSiQue-format .json, or a folder of .txt/.md")
@@ -228,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from blend.model import ModelError  # imports torch: not for --help
+
     from .config import Settings
 
     try:

@@ -74,16 +74,23 @@ class Settings(BaseSettings):
             raise ValueError(f"{info.field_name} must be one of {', '.join(allowed)}")
         return v
 
-    @field_validator("chunk_tokens", "precompute_batch", "top_k", "lease_seconds")
+    @field_validator("chunk_tokens", "precompute_batch", "top_k", "lease_seconds", "max_new_tokens")
     @classmethod
     def _positive(cls, v: int) -> int:
         if v < 1:
             raise ValueError("must be >= 1")
         return v
 
-    @field_validator("gpu_cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "redis_cache_bytes")
+    @field_validator("gpu_cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "redis_cache_bytes", "epic_k")
     @classmethod
     def _nonneg(cls, v: int) -> int:
         if v < 0:
-            raise ValueError("a capacity must be >= 0 bytes")
+            raise ValueError("must be >= 0")
+        return v
+
+    @field_validator("cacheblend_ratio")
+    @classmethod
+    def _share(cls, v: float) -> float:
+        if not 0 <= v <= 1:
+            raise ValueError("must be in [0, 1]")
         return v

@@ -5,13 +5,12 @@ full, cacheblend and epic mode through the service → a small evaluation and it
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from .config import Settings
 from .errors import UserError
-from .evaluate import EvalConfig, evaluate, table, write_results
+from .evaluate import EvalConfig, evaluate, load_dataset, output_dir, table, write_results
 from .precompute import run_precompute
 from .service import RagCache
 
@@ -20,11 +19,19 @@ MODES = ("full", "cacheblend", "epic")
 
 
 def run_demo(settings: Settings, args) -> int:
-    data, out = Path(args.data), Path(args.out)
+    data = Path(args.data)
     if not data.is_file():
         raise UserError(f"demo data {data} not found: run from the repository root or pass --data")
+    questions = load_dataset(data, 3)
+    out = output_dir(args.out)
     t_start = time.perf_counter()
-    service = RagCache(settings)
+    with RagCache(settings) as service:
+        _run(service, settings, data, questions, out)
+    print(f"\ndone in {time.perf_counter() - t_start:.0f} s; results in {out}/ (results.json, results.csv, pareto.png)")
+    return 0
+
+
+def _run(service: RagCache, settings: Settings, data: Path, questions: list[dict], out: Path) -> None:
     _step(f"model: {settings.model} → loading")
     service.warm(NAMESPACE)
     m = service.model
@@ -32,11 +39,9 @@ def run_demo(settings: Settings, args) -> int:
     _step(f"ingest {data}")
     print("  " + service.ingest(data, NAMESPACE).line())
     _step("precompute chunk KVs (prefill once, store, embed, index)")
-    print("  " + run_precompute(settings, namespace=NAMESPACE).line())
-    service.sync_index(NAMESPACE)
+    print("  " + run_precompute(settings, namespace=NAMESPACE, service=service).line())
 
     _step("answer three questions; chunk KVs come from the store, the rest is recomputed per mode")
-    questions = json.loads(data.read_text())[:3]
     rows = []
     for q in questions:
         full_ttft = None
@@ -60,9 +65,6 @@ def run_demo(settings: Settings, args) -> int:
     results = evaluate(service, cfg)
     write_results(results, out)
     print(table(results))
-    service.close()
-    print(f"\ndone in {time.perf_counter() - t_start:.0f} s; results in {out}/ (results.json, results.csv, pareto.png)")
-    return 0
 
 
 def _step(text: str) -> None:

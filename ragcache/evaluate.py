@@ -52,17 +52,25 @@ class EvalConfig:
 
 
 def load_dataset(path: Path, limit: int | None) -> list[dict]:
+    """A MuSiQue/CacheBlend-format file: [{"question", "answers": [..], "ctxs": [{"title", "text"}]}]."""
     try:
         data = json.loads(Path(path).read_text())
-        for item in data:
-            assert isinstance(item["question"], str) and isinstance(item["answers"], list)
-            assert all(isinstance(c["text"], str) for c in item["ctxs"])
     except FileNotFoundError:
         raise UserError(f"dataset {path} not found") from None
-    except (json.JSONDecodeError, TypeError, KeyError, AssertionError):
-        raise UserError(f'{path}: expected a list of {{"question", "answers": [..], "ctxs": [{{"title", "text"}}]}}') \
-            from None
+    except OSError as e:
+        raise UserError(f"dataset {path} cannot be read: {e.strerror}") from None
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise UserError(f"dataset {path} is not a JSON file: {e}") from None
+    if not isinstance(data, list) or not all(_is_question(item) for item in data):
+        raise UserError(f'{path}: expected a list of {{"question", "answers": [..], "ctxs": [{{"title", "text"}}]}}')
     return data[:limit] if limit else data
+
+
+def _is_question(item) -> bool:
+    return (isinstance(item, dict) and isinstance(item.get("question"), str)
+            and isinstance(item.get("answers"), list) and all(isinstance(a, str) for a in item["answers"])
+            and isinstance(item.get("ctxs"), list)
+            and all(isinstance(c, dict) and isinstance(c.get("text"), str) for c in item["ctxs"]))
 
 
 def policies(cfg: EvalConfig) -> list[tuple[str, object]]:
@@ -214,6 +222,16 @@ def _aggregate(rows: list[dict], labels: list[str]) -> dict:
                       "f1_vs_full": mean("f1_vs_full"), "top1_agree": mean("top1_agree"),
                       "kl_first": mean("kl_first"), "kl_tf": mean("kl_tf"),
                       "recompute_fraction": mean("recompute_fraction")}
+    return out
+
+
+def output_dir(path: str | Path) -> Path:
+    """The results folder, made now: a bad one fails before the run, not after it."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot write results to {out}: {e.strerror}") from None
     return out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from sqlalchemy import delete, func, select
 
 from .chunking import Document, chunk_document
@@ -57,7 +58,7 @@ def ingest_documents(db: Database, tokenizer, fingerprint: str, docs: list[Docum
                 report.added += 1
             for spec in chunk_document(tokenizer, doc, max_tokens):
                 s.add(Chunk(document_id=row.id, namespace=namespace, ordinal=spec.ordinal, text=spec.text,
-                            n_tokens=len(spec.token_ids), token_ids=np.asarray(spec.token_ids, np.int32).tobytes(),
+                            n_tokens=len(spec.token_ids), token_ids=pack_ids(spec.token_ids),
                             model=fingerprint))
                 report.chunks_added += 1
         s.flush()
@@ -65,6 +66,16 @@ def ingest_documents(db: Database, tokenizer, fingerprint: str, docs: list[Docum
             still_used = set(s.scalars(select(Chunk.kv_key).where(Chunk.kv_key.in_(report.orphan_kv_keys))))
             report.orphan_kv_keys = sorted(set(report.orphan_kv_keys) - still_used)
     return report
+
+
+def pack_ids(token_ids) -> bytes:
+    """Token ids as a chunk row stores them: int32 bytes."""
+    return np.asarray(token_ids, np.int32).tobytes()
+
+
+def unpack_ids(stored: bytes) -> torch.Tensor:
+    """A chunk row's token ids → (n,) int64."""
+    return torch.from_numpy(np.frombuffer(stored, np.int32).astype(np.int64))
 
 
 def corpus_counts(db: Database, namespace: str | None = None) -> dict[str, int]:

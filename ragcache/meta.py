@@ -17,8 +17,10 @@ from typing import Iterator
 
 from sqlalchemy import (BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, LargeBinary, String, Text,
                         create_engine, event, text)
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+from .errors import UserError
 
 SCHEMA_VERSION = 1
 _MIGRATIONS: dict[int, list[str]] = {}  # version → DDL statements that bring version-1 up to it
@@ -91,10 +93,6 @@ class KVEntry(Base):
     last_access: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
-    @property
-    def tiers(self) -> list[str]:
-        return [name for name, present in (("disk", self.on_disk), ("redis", self.in_redis)) if present]
-
 
 class Job(Base):
     __tablename__ = "jobs"
@@ -127,14 +125,21 @@ class Database:
     """Engine + sessions. One per process; thread-safe (a session per `session()` call)."""
 
     def __init__(self, url: str):
-        self.url = url
         self.is_sqlite = url.startswith("sqlite")
         kwargs = {"connect_args": {"timeout": 60, "check_same_thread": False}} if self.is_sqlite else {}
-        self.engine = create_engine(url, pool_pre_ping=True, **kwargs)
+        try:
+            self.engine = create_engine(url, pool_pre_ping=True, **kwargs)
+        except ArgumentError as e:
+            raise UserError(f"database URL {url!r} is not usable ({e}): set RAGCACHE_DATABASE_URL to "
+                            "sqlite:///PATH or postgresql+psycopg://…") from None
         if self.is_sqlite:
             event.listen(self.engine, "connect", _sqlite_pragmas)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
-        self._create_schema()
+        try:
+            self._create_schema()
+        except OperationalError as e:
+            self.engine.dispose()
+            raise UserError(f"cannot open the database at {self.engine.url!r}: {e.orig}", usage=False) from None
 
     def _create_schema(self) -> None:
         Base.metadata.create_all(self.engine)

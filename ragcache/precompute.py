@@ -26,6 +26,7 @@ from sqlalchemy import func, or_, select, update
 
 from .config import Settings
 from .errors import UserError
+from .ingest import unpack_ids
 from .meta import Chunk, Database, Job, utcnow
 
 
@@ -40,13 +41,15 @@ class Summary:
 
 
 def run_precompute(settings: Settings, workers: int = 1, namespace: str | None = None,
-                   progress: bool = True) -> Summary:
+                   progress: bool = True, service=None) -> Summary:
+    """Precompute every pending chunk; `service`, when given, is used (and left open) instead of a new one."""
     from .service import RagCache
 
-    db = Database(settings.db_url)
-    lock = _single_writer_lock(settings, db, workers)
-    service = RagCache(settings)
+    own = service is None
+    service = RagCache(settings) if own else service
+    db, lock = service.db, None
     try:
+        lock = _single_writer_lock(settings, db, workers)
         invocation = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         _release_dead_claims(db, db.is_sqlite)
         skipped = _count(db, namespace, "done")
@@ -80,10 +83,10 @@ def run_precompute(settings: Settings, workers: int = 1, namespace: str | None =
             service.sync_index(ns)
         return summary
     finally:
-        service.close()
         if lock is not None:
             lock.close()
-        db.dispose()
+        if own:
+            service.close()
 
 
 def _worker_main(settings: dict, job_id: int, namespace: str | None, worker: str, threads: int) -> None:
@@ -113,7 +116,7 @@ def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=Non
             pending, failed = [], []
             for cid, ns, ids_bytes, text in batch:
                 try:
-                    ids = torch.from_numpy(np.frombuffer(ids_bytes, np.int32).astype(np.int64))
+                    ids = unpack_ids(ids_bytes)
                     key = service.kv_key_of(ids, ns)
                     write = None
                     if not service.store.contains(key):  # the same text elsewhere in the namespace: one entry

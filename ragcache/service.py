@@ -24,7 +24,7 @@ from blend.prompt import as_ids, chat_frame, encode, stop_token_ids
 from .chunking import read_documents
 from .config import Settings
 from .errors import UserError
-from .ingest import IngestReport, corpus_counts, ingest_documents
+from .ingest import IngestReport, corpus_counts, ingest_documents, unpack_ids
 from .meta import Chunk, Database, ModelDefault
 from .meta import Document as DocRow
 from .store import decode as decode_kv
@@ -47,6 +47,13 @@ class RagCache:
         self.db = Database(self.settings.db_url)
         self._lock = threading.Lock()  # one generation at a time: the model owns the cores
         self._synced: set[str] = set()
+        self._salts: dict[str, str] = {}  # namespace → key salt; never changes once created
+
+    def __enter__(self) -> "RagCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- parts, loaded on first use -----------------------------------------------------------
 
@@ -102,7 +109,9 @@ class RagCache:
         return self.prefix.key if self.settings.chunk_prefill == "prefixed" else ALONE
 
     def kv_key_of(self, token_ids: torch.Tensor, namespace: str) -> str:
-        salt = self.db.namespace_salt(namespace, self.settings.share_across_namespaces)
+        salt = self._salts.get(namespace)
+        if salt is None:
+            salt = self._salts[namespace] = self.db.namespace_salt(namespace, self.settings.share_across_namespaces)
         return kv_key(self.model.fingerprint, token_ids, self.chunk_context, self.kv_dtype, salt)
 
     def store_encode(self, kv: ChunkKV):
@@ -154,8 +163,11 @@ class RagCache:
         return len(missing) + len(extra)
 
     def search(self, query: str, namespace: str = "default", k: int | None = None) -> list[ChunkHit]:
-        if not query.strip():
-            raise UserError("the query is empty")
+        return [hit for hit, _ in self._retrieve(query, namespace, k)]
+
+    def _retrieve(self, query: str, namespace: str, k: int | None) -> list[tuple[ChunkHit, Chunk]]:
+        """The top-k chunks for `query`, best first, with their rows."""
+        _check_query(query)
         if namespace not in self._synced:
             self.sync_index(namespace)
         found = self.index.search(namespace, self.embedder.embed([query])[0], k or self.settings.top_k)
@@ -165,7 +177,7 @@ class RagCache:
             rows = {c.id: (c, d.external_id) for c, d in s.execute(
                 select(Chunk, DocRow).join(DocRow, DocRow.id == Chunk.document_id).where(
                     Chunk.id.in_([i for i, _ in found]), Chunk.namespace == namespace))}
-        return [ChunkHit(i, rows[i][1], score, rows[i][0].text) for i, score in found if i in rows]
+        return [(ChunkHit(i, rows[i][1], score, rows[i][0].text), rows[i][0]) for i, score in found if i in rows]
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -180,13 +192,11 @@ class RagCache:
                 mode = default.mode
                 ratio = default.param if mode == "cacheblend" else ratio
                 k = int(default.param) if mode == "epic" and default.param is not None else k
-        if mode == "cacheblend":
-            return make_policy(mode, ratio=self.settings.cacheblend_ratio if ratio is None else ratio)
-        if mode == "epic":
-            return make_policy(mode, k=self.settings.epic_k if k is None else k)
+        knobs = {"cacheblend": {"ratio": self.settings.cacheblend_ratio if ratio is None else ratio},
+                 "epic": {"k": self.settings.epic_k if k is None else k}}.get(mode, {})
         try:
-            return make_policy(mode)
-        except ValueError as e:
+            return make_policy(mode, **knobs)
+        except ValueError as e:  # an unknown mode or a knob out of range, named by blend
             raise UserError(str(e)) from None
 
     def load_chunks(self, token_ids: list[torch.Tensor], namespace: str) -> tuple[list[ChunkKV], list[str]]:
@@ -208,6 +218,7 @@ class RagCache:
     def generate(self, query: str, namespace: str = "default", top_k: int | None = None, mode: str | None = None,
                  ratio: float | None = None, k: int | None = None, max_new_tokens: int | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> dict:
+        _check_query(query)
         policy = self.policy_for(mode or self.settings.mode, ratio, k)
         try:
             sampling = Sampling(max_new_tokens or self.settings.max_new_tokens, temperature, top_p, seed)
@@ -216,15 +227,13 @@ class RagCache:
         self.warm(namespace)
         with self._lock:
             t0 = time.perf_counter()
-            hits = self.search(query, namespace, top_k)
-            if not hits:
+            found = self._retrieve(query, namespace, top_k)
+            if not found:
                 raise UserError(f"namespace {namespace!r} has no precomputed chunks: run ingest and precompute")
             t_retrieve = time.perf_counter()
-            with self.db.session() as s:
-                rows = {c.id: c for c in s.scalars(select(Chunk).where(Chunk.id.in_([h.id for h in hits])))}
-            self._check_model(rows.values())
-            token_ids = [torch.from_numpy(np.frombuffer(rows[h.id].token_ids, np.int32).astype(np.int64))
-                         for h in hits]
+            hits, rows = zip(*found)
+            self._check_model(rows)
+            token_ids = [unpack_ids(row.token_ids) for row in rows]
             if policy.reads_chunk_kv:
                 chunks, tiers = self.load_chunks(token_ids, namespace)
             else:  # full prefill: nothing comes from the cache
@@ -261,3 +270,8 @@ class RagCache:
         if "store" in self.__dict__:
             self.store.close()
         self.db.dispose()
+
+
+def _check_query(query: str) -> None:
+    if not query.strip():
+        raise UserError("the query is empty")

@@ -1,25 +1,23 @@
 """TTFT of each fusion mode against full prefill, side by side, chunk KVs already in memory."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 
 from blend import CacheBlend, Epic, Full, Reuse, Runner, compute_chunk, compute_prefix, fuse_and_prefill, load_model
 from blend.prompt import as_ids, chat_frame, encode
 
 from ..errors import UserError
+from ..evaluate import load_dataset
 from .timing import interleaved, median, table
 
 MODES = {"full": Full(), "reuse": Reuse(), "epic@16": Epic(16), "cacheblend@0.15": CacheBlend(0.15)}
 
 
 def run(settings, args) -> int:
-    path = Path(args.dataset)
-    if not path.is_file():
-        raise UserError(f"dataset {path} not found")
-    item = json.loads(path.read_text())[args.question]
+    data = load_dataset(args.dataset, None)
+    if not 0 <= args.question < len(data):
+        raise UserError(f"--question must be in [0, {len(data)}) for {args.dataset}")
+    item = data[args.question]
     model = load_model(settings.model, settings.home, settings.device, settings.dtype)
     runner = Runner(model)
     tok = model.tokenizer

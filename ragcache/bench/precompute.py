@@ -5,11 +5,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
 from sqlalchemy import select
 
 from ..config import Settings
+from ..ingest import unpack_ids
 from ..meta import Chunk
 from ..precompute import _join_or_start_job, _work
 from ..service import RagCache
@@ -25,8 +24,7 @@ def run(settings: Settings, args) -> int:
         service.ingest(args.dataset)
         service.warm()
         with service.db.session() as s:
-            chunks = [torch.from_numpy(np.frombuffer(b, np.int32).astype(np.int64))
-                      for b in s.scalars(select(Chunk.token_ids).order_by(Chunk.id))][: args.chunks]
+            chunks = [unpack_ids(b) for b in s.scalars(select(Chunk.token_ids).order_by(Chunk.id))][: args.chunks]
             keep = set(s.scalars(select(Chunk.id).order_by(Chunk.id).limit(args.chunks)))
             for c in s.scalars(select(Chunk).where(Chunk.id.not_in(keep))):
                 c.state = "skipped-by-bench"

@@ -1,9 +1,12 @@
 """The `ragcache` command: usage errors exit 2 with a message, never a traceback."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 
 def _run(*args: str, env=None) -> subprocess.CompletedProcess:
@@ -22,8 +25,6 @@ def test_bad_flag_exits_2():
 
 
 def test_bad_setting_is_named(monkeypatch):
-    import os
-
     r = _run("demo", env={**os.environ, "RAGCACHE_DTYPE": "float8"})
     assert r.returncode == 2 and "setting dtype" in r.stderr and "Traceback" not in r.stderr
 
@@ -33,8 +34,43 @@ def test_missing_model_path_is_one_line(tmp_path):
     assert r.returncode == 1 and "config.json missing" in r.stderr and "Traceback" not in r.stderr
 
 
+DEMO = Path(__file__).parents[2] / "demo" / "data" / "musique_demo.json"
+
+
 def test_eval_knob_out_of_range_is_named():
-    dataset = Path(__file__).parents[2] / "demo" / "data" / "musique_demo.json"
     for flag, value, words in [("--ratios", "2", "ratio must be in [0, 1]"), ("--epic-k", "-1", "epic k must be >= 0")]:
-        r = _run("eval", "--dataset", str(dataset), flag, value)
+        r = _run("eval", "--dataset", str(DEMO), flag, value)
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
+
+
+def _bad_files(tmp: Path) -> dict[str, Path]:
+    (tmp / "latin1.jsonl").write_bytes(b'{"id": 1, "text": "caf\xe9"}\n')
+    (tmp / "empty.json").write_text("[]")
+    (tmp / "strings.json").write_text('[{"question": "q", "answers": ["a"], "ctxs": ["just a string"]}]')
+    (tmp / "a_file").write_text("x")
+    return {p.stem: p for p in tmp.iterdir()}
+
+
+@pytest.mark.parametrize("args, env, words", [
+    (["ask", "what?", "--ratio", "2"], {}, "ratio must be in [0, 1]"),
+    (["ask", "what?", "--mode", "epic", "--epic-k", "-1"], {}, "epic k must be >= 0"),
+    (["ask", "   "], {}, "the query is empty"),
+    (["ask", "what?"], {"RAGCACHE_CACHEBLEND_RATIO": "2"}, "setting cacheblend_ratio"),
+    (["ask", "what?"], {"RAGCACHE_MAX_NEW_TOKENS": "0"}, "setting max_new_tokens"),
+    (["ask", "what?"], {"RAGCACHE_DATABASE_URL": "nonsense"}, "database URL 'nonsense' is not usable"),
+    (["eval", "--dataset", "{tmp}"], {}, "cannot be read"),
+    (["eval", "--dataset", "{latin1}"], {}, "is not a JSON file"),
+    (["eval", "--dataset", "{strings}"], {}, "expected a list of"),
+    (["eval", "--dataset", str(DEMO), "--out", "{a_file}"], {}, "cannot write results to"),
+    (["calibrate", "--dataset", str(DEMO), "--target-kl", "nan"], {}, "--target-kl must be >= 0"),
+    (["ingest", "{latin1}"], {}, "cannot be read as UTF-8"),
+    (["ingest", "{empty}"], {}, "holds no documents"),
+    (["ingest", "{strings}"], {}, "expected a list of"),
+    (["bench", "blend", "--repeats", "0"], {}, "must be >= 1"),
+    (["bench", "blend", "--question", "99999"], {}, "--question must be in [0, "),
+])
+def test_bad_input_is_one_named_line(tmp_path, args, env, words):
+    files = _bad_files(tmp_path)
+    args = [a.format(tmp=tmp_path, **files) if "{" in a else a for a in args]
+    r = _run(*args, env={**os.environ, "RAGCACHE_HOME": str(tmp_path / "home"), **env})
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr[-800:]
