@@ -81,20 +81,20 @@ class VectorIndex:
             if self.kind != "hnsw":
                 part.remove_ids(ids)
                 return
-            have_ids, have = self._contents(part)  # HNSW cannot delete: rebuild without them
+            have_ids = self._ids(part)
             keep = ~np.isin(have_ids, ids)
-            if keep.all():
+            if keep.all():  # none of them held: nothing to rebuild
                 return
+            have = part.index.reconstruct_n(0, part.ntotal)  # HNSW cannot delete: rebuild without them
             fresh = self._new()
             if keep.any():
                 fresh.add_with_ids(have[keep], have_ids[keep])
             self._parts[namespace] = fresh
 
-    @staticmethod
-    def _contents(part: faiss.IndexIDMap2) -> tuple[np.ndarray, np.ndarray]:
-        ids = faiss.vector_to_array(part.id_map).astype(np.int64)
+    @classmethod
+    def _contents(cls, part: faiss.IndexIDMap2) -> tuple[np.ndarray, np.ndarray]:
         vecs = part.index.reconstruct_n(0, part.ntotal) if part.ntotal else np.empty((0, part.d), np.float32)
-        return ids, vecs
+        return cls._ids(part), vecs
 
     @staticmethod
     def _ids(part) -> np.ndarray:

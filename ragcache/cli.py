@@ -6,7 +6,7 @@ import sys
 
 from pydantic import ValidationError
 
-from .config import CHOICES, MODES
+from .config import CHOICES, EVAL_MODES, MODES
 from .errors import UserError
 
 
@@ -124,7 +124,7 @@ def _calibrate(args, settings) -> int:
 
 def _add_eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", required=True, help="a MuSiQue/CacheBlend-format JSON file")
-    p.add_argument("--modes", default="full,reuse,prefix,cacheblend,epic")
+    p.add_argument("--modes", default=",".join(EVAL_MODES))
     p.add_argument("--ratios", type=_floats, default=[0.05, 0.15, 0.3, 0.5], help="cacheblend ratios")
     p.add_argument("--epic-k", type=_ints, default=[4, 16, 32], help="epic: tokens per chunk")
     p.add_argument("--top-k", type=_positive, default=4)

@@ -6,7 +6,8 @@ from pathlib import Path
 from pydantic import ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-MODES = ("full", "prefix", "reuse", "cacheblend", "epic", "auto")
+EVAL_MODES = ("full", "reuse", "prefix", "cacheblend", "epic")  # measurable against full prefill
+MODES = (*EVAL_MODES, "auto")
 CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "kv_dtype": ("auto", "float32", "bfloat16", "float16", "int8"),

@@ -24,6 +24,7 @@ from blend.decode import Sampling, decode
 from blend.prompt import as_ids, encode
 
 from .chunking import SEPARATOR
+from .config import EVAL_MODES
 from .errors import UserError
 from .meta import Database
 from .metrics import best_f1, f1, kl
@@ -38,7 +39,7 @@ METRICS = ("ttft_s_median", "speedup_vs_full", "f1_gold", "f1_vs_full", "top1_ag
 @dataclass
 class EvalConfig:
     dataset: Path
-    modes: list[str] = field(default_factory=lambda: ["full", "reuse", "prefix", "cacheblend", "epic"])
+    modes: list[str] = field(default_factory=lambda: list(EVAL_MODES))
     ratios: list[float] = field(default_factory=lambda: [0.05, 0.15, 0.3, 0.5])
     epic_ks: list[int] = field(default_factory=lambda: [4, 16, 32])
     top_k: int = 4
@@ -75,9 +76,9 @@ def _is_question(item) -> bool:
 
 def policies(cfg: EvalConfig) -> list[tuple[str, object]]:
     """(label, policy) in the results' naming: full, reuse, prefix, cacheblend@0.15, epic@16, …"""
-    unknown = set(cfg.modes) - {"full", "reuse", "prefix", "cacheblend", "epic"}
+    unknown = set(cfg.modes) - set(EVAL_MODES)
     if unknown:
-        raise UserError(f"unknown mode(s) {', '.join(sorted(unknown))}: use full, reuse, prefix, cacheblend, epic")
+        raise UserError(f"unknown mode(s) {', '.join(sorted(unknown))}: use {', '.join(EVAL_MODES)}")
     out = [("full", Full())]  # the reference: always measured
     out += [("reuse", Reuse())] if "reuse" in cfg.modes else []
     out += [("prefix", Prefix())] if "prefix" in cfg.modes else []
