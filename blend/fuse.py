@@ -26,6 +26,7 @@ class FusedResult:
     out_rows: list[torch.Tensor]  # per layer: rows whose attention and MLP ran
     row_work: tuple[int, int]  # multiply-adds per row and layer: (q/k/v, the rest)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage: assemble, recompute
+    deviations: dict = field(default_factory=dict)  # check layer → (rows, ||ΔK||², ||ΔV||²): what cacheblend ranked
 
     @property
     def recompute_fraction(self) -> float:
@@ -113,4 +114,4 @@ def fuse_and_prefill(runner: Runner, prefix_kv: PrefixKV | None, chunk_kvs: list
                                   row_filter=plan.row_filter)
     t2 = time.perf_counter()
     return FusedResult(out.logits, cache, token_ids, layout, out.kv_rows, out.out_rows, runner.row_work(),
-                       {"assemble": t1 - t0, "recompute": t2 - t1})
+                       {"assemble": t1 - t0, "recompute": t2 - t1}, out.deviations)

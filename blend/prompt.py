@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch
 
 _SENTINEL = "\x00RAGCACHE-CONTENT\x00"
+_SENTINEL_END = "\x00RAGCACHE-CONTENT-END\x00"
+QUESTION = "Question: "  # what stands between the passages and the first user turn
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
 
@@ -28,6 +30,29 @@ def chat_frame(tokenizer, system: str) -> ChatFrame:
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     head, tail = text.split(_SENTINEL)
     return ChatFrame(encode(tokenizer, head), encode(tokenizer, tail))
+
+
+def conversation(tokenizer, system: str, turns: list[tuple[str, str]]) -> tuple[list[int], list[int]]:
+    """(head, suffix) ids of a chat whose passages go right after the head, inside the first user turn.
+
+    `turns` are (role, content) pairs, user and assistant, ending with a user turn. The suffix is the
+    first user turn's content behind QUESTION, then every later turn, then the assistant opening:
+    for one turn exactly QUESTION + content followed by `chat_frame(...).tail`.
+    """
+    if not turns or turns[-1][0] != "user":
+        raise ValueError("a conversation must end with a user turn")
+    (_, first), rest = turns[0], turns[1:]
+    if not getattr(tokenizer, "chat_template", None):
+        frame = chat_frame(tokenizer, system)
+        later = "".join(f"\n{'Answer' if r == 'assistant' else 'Question'}: {c}" for r, c in rest)
+        return frame.head, encode(tokenizer, QUESTION + first + later) + frame.tail
+    messages = [{"role": "system", "content": system},
+                {"role": "user", "content": _SENTINEL + QUESTION + first + _SENTINEL_END},
+                *({"role": r, "content": c} for r, c in rest)]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    head, body = text.split(_SENTINEL)
+    question, after = body.split(_SENTINEL_END)
+    return encode(tokenizer, head), encode(tokenizer, question) + encode(tokenizer, after)
 
 
 def encode(tokenizer, text: str) -> list[int]:

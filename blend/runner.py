@@ -9,7 +9,7 @@ Decoding is `forward_selected` of one new row at the end of the cache.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -50,6 +50,7 @@ class Selected:
     logits: torch.Tensor  # (V,) for the last row, or (m, V) for every final row with all_logits
     kv_rows: list[torch.Tensor]  # per layer: rows whose K/V were recomputed (same tensor while unchanged)
     out_rows: list[torch.Tensor]  # per layer: rows whose attention and MLP ran (fewer at a filtering layer)
+    deviations: dict = field(default_factory=dict)  # check layer → (rows (n,), ||ΔK||² (n,), ||ΔV||² (n,))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -177,6 +178,7 @@ class Runner:
         x = self.embed[token_ids.to(self.device)]  # (n, D)
         kv_rows: list[torch.Tensor] = []
         out_rows: list[torch.Tensor] = []
+        deviations = {}
         plan, (cos, sin) = kernels.attention_plan(rows), self.rope(rows)
         first = int(rows[0])
         for l in range(self.num_layers):
@@ -185,6 +187,7 @@ class Runner:
             ck, cv = cache.k[l], cache.v[l]  # (Hkv, capacity, hd)
             if l in deviation_layers:
                 dev = kernels.deviation_scatter_(ck, rows, k), kernels.deviation_scatter_(cv, rows, v)
+                deviations[l] = (rows, *dev)
                 keep = row_filter(l, rows, *dev) if row_filter is not None else None
                 if keep is not None and keep.shape[0] != rows.shape[0]:
                     rows, x, q, cos, sin = rows[keep], x[keep], q[keep], cos[keep], sin[keep]
@@ -199,7 +202,7 @@ class Runner:
             out_rows.append(rows)
             x = self._finish(l, x, kernels.selected_attention(q, ck[:, :end], cv[:, :end], rows, self.scale, plan))
         logits = self._logits(x) if all_logits else self._logits(x[-1:])[0]
-        return Selected(logits, kv_rows, out_rows)
+        return Selected(logits, kv_rows, out_rows, deviations)
 
     def row_work(self) -> tuple[int, int]:
         """Multiply-adds per row and layer: (q/k/v projections, everything after them)."""

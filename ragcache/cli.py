@@ -35,7 +35,8 @@ def _ingest(args, settings) -> int:
 def _precompute(args, settings) -> int:
     from .precompute import run_precompute
 
-    summary = run_precompute(settings, workers=args.workers, namespace=args.namespace, progress=not args.quiet)
+    summary = run_precompute(settings, workers=args.workers, namespace=args.namespace, progress=not args.quiet,
+                             job_id=args.job)
     print(summary.line())
     return 0
 
@@ -68,6 +69,25 @@ def _ask(args, settings) -> int:
           f"decode {t['decode']:.0f} ms; total {t['total']:.0f} ms")
     print(f"prompt {u['prompt_tokens']} tokens, recomputed {u['recomputed_tokens']}, "
           f"completion {u['completion_tokens']}; chunks from " + ", ".join(c["tier"] for c in out["chunks"]))
+    return 0
+
+
+def _serve(args, settings) -> int:
+    import logging
+
+    import uvicorn
+
+    from api.app import create_app
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ragcache").setLevel(logging.INFO)
+    loopback = args.host in ("127.0.0.1", "localhost", "::1")
+    if not settings.auth:
+        print(f"ragcache serve: no API keys configured (RAGCACHE_API_KEYS, RAGCACHE_ADMIN_KEY): anyone who can "
+              f"reach {args.host}:{args.port} can use every namespace" + ("" if loopback else
+              " — and this address is not loopback"), file=sys.stderr, flush=True)
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=5)
     return 0
 
 
@@ -104,6 +124,7 @@ def _eval(args, settings) -> int:
     with RagCache(settings) as service:
         results = evaluate(service, _eval_config(args, settings), progress=not args.quiet)
     write_results(results, out)
+    write_results(results, settings.home / "eval" / "latest")  # what a server's dashboard shows
     print(f"{results['model']}, {results['dataset']}: n={results['n']}, top-k {results['top_k']} "
           f"({results['retrieval']}), chunks {results['chunk_prefill']}, {results['kv_dtype']} KV in the "
           f"{results['tier']} tier")
@@ -136,13 +157,6 @@ def _add_eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=_positive, default=None, help="first N questions")
     p.add_argument("--max-new-tokens", type=_positive, default=24)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def _later(issue: str):
-    def run(args, settings) -> int:
-        raise UserError(f"'ragcache {args.command}' is not built yet: it arrives with {issue}")
-
-    return run
 
 
 def _positive(text: str) -> int:
@@ -183,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     pc.add_argument("--workers", type=_positive, default=1)
     pc.add_argument("--namespace", default=None, help="only this namespace (default: all)")
     pc.add_argument("--quiet", action="store_true", help="no progress bar")
+    pc.add_argument("--job", type=_positive, default=None, help="work on this job row (made by `serve`)")
     pc.set_defaults(func=_precompute)
 
     se = sub.add_parser("search", help="the top-k chunks for a query")
@@ -212,8 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--target-kl", type=float, required=True, help="mean teacher-forced KL(full ‖ mode), nats")
     cal.set_defaults(func=_calibrate)
 
-    for name, issue in [("serve", "the REST API issue")]:
-        sub.add_parser(name, help=f"(arrives with {issue})").set_defaults(func=_later(issue))
+    sv = sub.add_parser("serve", help="the REST API, OpenAI-compatible chat and the dashboard (uvicorn)")
+    sv.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1: loopback only")
+    sv.add_argument("--port", type=_positive, default=8000)
+    sv.set_defaults(func=_serve)
     return p
 
 
@@ -230,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         err = e.errors()[0]
         print(f"ragcache: error: setting {'.'.join(map(str, err['loc']))}: {err['msg']}", file=sys.stderr)
         return 2
+    if settings.threads:
+        import torch
+
+        torch.set_num_threads(settings.threads)  # a share of the cores (a job the server started)
     try:
         return args.func(args, settings)
     except UserError as e:

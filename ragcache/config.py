@@ -1,6 +1,7 @@
 """One settings object, read from RAGCACHE_* environment variables and validated once."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import ValidationInfo, field_validator
@@ -31,7 +32,8 @@ class Settings(BaseSettings):
     device: str = "auto"  # auto | cpu | cuda[:N]
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    max_new_tokens: int = 32
+    max_new_tokens: int = 32  # a request's default
+    max_tokens_cap: int = 4096  # the most a request may ask for (more: a 400 naming it)
 
     # metadata and the tiered KV store
     database_url: str | None = None  # default: a SQLite file in `home`; or postgresql+psycopg://…
@@ -58,6 +60,14 @@ class Settings(BaseSettings):
     cacheblend_ratio: float = 0.15
     epic_k: int = 16
 
+    # serving
+    threads: int = 0  # torch threads of this process; 0: every core (less a running job's share)
+    job_threads: int = 0  # torch threads of a precompute job the server starts; 0: half the cores
+    max_queue: int = 64  # requests waiting for the model beyond this get 429
+    max_body_bytes: int = 8 << 20  # larger request bodies get 413
+    api_keys: dict[str, list[str]] = {}  # key → namespaces it may use (JSON); empty: no auth
+    admin_key: str | None = None  # reaches every namespace and the whole-cache routes
+
     @field_validator("home")
     @classmethod
     def _expand(cls, v: Path) -> Path:
@@ -75,18 +85,51 @@ class Settings(BaseSettings):
             raise ValueError(f"{info.field_name} must be one of {', '.join(allowed)}")
         return v
 
-    @field_validator("chunk_tokens", "precompute_batch", "top_k", "lease_seconds", "max_new_tokens")
+    @property
+    def auth(self) -> bool:
+        return bool(self.api_keys) or self.admin_key is not None
+
+    def job_thread_count(self) -> int:
+        cores = os.cpu_count() or 1
+        return self.job_threads or max(1, cores // 2)
+
+    def thread_count(self, jobs_running: int = 0) -> int:
+        """This process's torch threads: the setting, else every core not lent to running jobs."""
+        if self.threads:
+            return self.threads
+        cores = os.cpu_count() or 1
+        return max(1, cores - jobs_running * self.job_thread_count())
+
+    @field_validator("chunk_tokens", "precompute_batch", "top_k", "lease_seconds", "max_new_tokens", "max_queue",
+                     "max_tokens_cap",
+                     "max_body_bytes")
     @classmethod
     def _positive(cls, v: int) -> int:
         if v < 1:
             raise ValueError("must be >= 1")
         return v
 
-    @field_validator("gpu_cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "redis_cache_bytes", "epic_k")
+    @field_validator("gpu_cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "redis_cache_bytes", "epic_k",
+                     "threads", "job_threads")
     @classmethod
     def _nonneg(cls, v: int) -> int:
         if v < 0:
             raise ValueError("must be >= 0")
+        return v
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        for key, namespaces in v.items():
+            if len(key) < 8 or not namespaces:
+                raise ValueError("each key needs 8+ characters and at least one namespace")
+        return v
+
+    @field_validator("admin_key")
+    @classmethod
+    def _admin(cls, v: str | None) -> str | None:
+        if v is not None and len(v) < 8:
+            raise ValueError("needs 8+ characters")
         return v
 
     @field_validator("cacheblend_ratio")

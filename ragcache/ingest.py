@@ -12,7 +12,7 @@ import torch
 from sqlalchemy import delete, func, select
 
 from .chunking import Document, chunk_document
-from .meta import Chunk, Database
+from .meta import Chunk, Database, bump_index_versions
 from .meta import Document as DocRow
 
 
@@ -62,6 +62,8 @@ def ingest_documents(db: Database, tokenizer, fingerprint: str, docs: list[Docum
                             model=fingerprint))
                 report.chunks_added += 1
         s.flush()
+        if report.removed_chunk_ids:
+            bump_index_versions(s, [namespace])  # other processes drop the old chunks from their indexes
         if report.orphan_kv_keys:
             still_used = set(s.scalars(select(Chunk.kv_key).where(Chunk.kv_key.in_(report.orphan_kv_keys))))
             report.orphan_kv_keys = sorted(set(report.orphan_kv_keys) - still_used)

@@ -2,7 +2,9 @@
 
 Tables: namespaces (per-tenant key salt), documents, chunks (a document's pieces and their
 precompute state), kv_entries (one stored chunk KV, shared by every chunk with the same key),
-jobs (precompute runs), model_defaults (what `calibrate` chose).
+jobs (precompute runs), model_defaults (what `calibrate` chose), index_versions (bumped whenever
+a namespace's set of retrievable chunks changes: a long-lived process re-syncs its FAISS index
+when the number moves, whoever made the change).
 
 Schema changes: the schema is created at start (`create_all`, idempotent) and carries a
 version in `schema_info`; a change bumps SCHEMA_VERSION and adds a step to `_MIGRATIONS`
@@ -16,14 +18,16 @@ from datetime import datetime, timezone
 from typing import Iterator
 
 from sqlalchemy import (BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, LargeBinary, String, Text,
-                        create_engine, event, text)
+                        create_engine, event, text, update)
 from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from .errors import UserError
 
-SCHEMA_VERSION = 1
-_MIGRATIONS: dict[int, list[str]] = {}  # version → DDL statements that bring version-1 up to it
+SCHEMA_VERSION = 2
+_MIGRATIONS: dict[int, list[str]] = {  # version → DDL statements that bring version-1 up to it
+    2: ["ALTER TABLE jobs ADD COLUMN error TEXT"],  # (index_versions is a new table: create_all makes it)
+}
 
 
 def utcnow() -> datetime:
@@ -98,7 +102,7 @@ class Job(Base):
     __tablename__ = "jobs"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     namespace: Mapped[str | None] = mapped_column(String(128), nullable=True)
-    state: Mapped[str] = mapped_column(String(16), default="running")  # running/finished
+    state: Mapped[str] = mapped_column(String(16), default="running")  # running/finished/failed
     total: Mapped[int] = mapped_column(Integer, default=0)
     done: Mapped[int] = mapped_column(Integer, default=0)
     failed: Mapped[int] = mapped_column(Integer, default=0)
@@ -107,6 +111,13 @@ class Job(Base):
     seconds: Mapped[float] = mapped_column(Float, default=0.0)
     started: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)  # why a job failed
+
+
+class IndexVersion(Base):
+    __tablename__ = "index_versions"
+    namespace: Mapped[str] = mapped_column(String(128), primary_key=True)
+    version: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
 class ModelDefault(Base):
@@ -179,8 +190,26 @@ class Database:
         with self.session() as s:
             return s.get(Namespace, name).salt
 
+    def index_version(self, namespace: str) -> int:
+        with self.session() as s:
+            row = s.get(IndexVersion, namespace)
+            return 0 if row is None else row.version
+
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def bump_index_versions(s: Session, namespaces) -> None:
+    """Within `s`'s transaction: every namespace whose retrievable chunks changed moves on by one."""
+    for ns in sorted(set(namespaces)):
+        bump = update(IndexVersion).where(IndexVersion.namespace == ns).values(version=IndexVersion.version + 1)
+        if s.execute(bump).rowcount:
+            continue
+        try:
+            with s.begin_nested():
+                s.add(IndexVersion(namespace=ns, version=1))
+        except IntegrityError:  # created concurrently: bump theirs
+            s.execute(bump)
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:

@@ -27,7 +27,7 @@ from sqlalchemy import func, or_, select, update
 from .config import Settings
 from .errors import UserError
 from .ingest import unpack_ids
-from .meta import Chunk, Database, Job, utcnow
+from .meta import Chunk, Database, Job, bump_index_versions, utcnow
 
 
 @dataclass
@@ -41,8 +41,9 @@ class Summary:
 
 
 def run_precompute(settings: Settings, workers: int = 1, namespace: str | None = None,
-                   progress: bool = True, service=None) -> Summary:
-    """Precompute every pending chunk; `service`, when given, is used (and left open) instead of a new one."""
+                   progress: bool = True, service=None, job_id: int | None = None) -> Summary:
+    """Precompute every pending chunk; `service`, when given, is used (and left open) instead of a new one;
+    `job_id` names a job row made beforehand (the server's), else the running one is joined or one started."""
     from .service import RagCache
 
     own = service is None
@@ -53,7 +54,7 @@ def run_precompute(settings: Settings, workers: int = 1, namespace: str | None =
         invocation = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         _release_dead_claims(db, db.is_sqlite)
         skipped = _count(db, namespace, "done")
-        job_id = _join_or_start_job(db, namespace)
+        job_id = job_id if job_id is not None else join_or_start_job(db, namespace)
         pending = _count(db, namespace, "pending")
         bar = _bar(pending, progress)
         if workers == 1:
@@ -122,31 +123,36 @@ def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=Non
                     if not service.store.contains(key):  # the same text elsewhere in the namespace: one entry
                         kv = service.store_encode(service.compute_chunk_kv(ids))
                         write = writer.submit(service.store.put, key, kv, durable=True)  # `done` promises a blob
-                    pending.append((cid, key, text, int(ids.numel()), write))
+                    pending.append((cid, ns, key, text, int(ids.numel()), write))
                 except Exception as e:  # noqa: BLE001 — a failing chunk is recorded, the job goes on
                     failed.append((cid, f"{type(e).__name__}: {e}"))
             done = []
-            for cid, key, text, n, write in pending:
+            for cid, ns, key, text, n, write in pending:
                 try:
                     if write is not None:
                         write.result()
-                    done.append((cid, key, text, n))
+                    done.append((cid, ns, key, text, n))
                 except Exception as e:  # noqa: BLE001
                     failed.append((cid, f"{type(e).__name__}: {e}"))
-            vectors = service.embedder.embed([t for _, _, t, _ in done]) if done else []
+            vectors = service.embedder.embed([t for _, _, _, t, _ in done]) if done else []
             _commit(db, job_id, worker, done, vectors, failed)
             if on_batch:
                 on_batch(len(batch))
 
 
 def _commit(db: Database, job_id: int, worker: str, done, vectors, failed) -> None:
-    """Chunk states and the job's counters in one transaction, for chunks this worker still holds."""
+    """Chunk states and the job's counters in one transaction, for chunks this worker still holds;
+    the namespaces that gained retrievable chunks move their index version."""
     with db.session() as s:
-        ok = 0
-        for (cid, key, _, _), vec in zip(done, vectors):
-            ok += s.execute(update(Chunk).where(Chunk.id == cid, Chunk.state == "running", Chunk.claimed_by == worker)
-                            .values(state="done", kv_key=key, embedding=vec.astype(np.float32).tobytes(),
-                                    error=None, lease_until=None)).rowcount
+        ok, grown = 0, set()
+        for (cid, ns, key, _, _), vec in zip(done, vectors):
+            n = s.execute(update(Chunk).where(Chunk.id == cid, Chunk.state == "running", Chunk.claimed_by == worker)
+                          .values(state="done", kv_key=key, embedding=vec.astype(np.float32).tobytes(),
+                                  error=None, lease_until=None)).rowcount
+            ok += n
+            if n:
+                grown.add(ns)
+        bump_index_versions(s, grown)
         bad = 0
         for cid, err in failed:
             bad += s.execute(update(Chunk).where(Chunk.id == cid, Chunk.claimed_by == worker)
@@ -220,12 +226,13 @@ def _single_writer_lock(settings: Settings, db: Database, workers: int):
     return f
 
 
-def _join_or_start_job(db: Database, namespace: str | None) -> int:
+def join_or_start_job(db: Database, namespace: str | None) -> int:
+    """The running job of `namespace`, or a new one (counting what is already done as skipped)."""
     with db.session() as s:
         job = s.scalars(select(Job).where(Job.state == "running", Job.namespace.is_(None) if namespace is None
                                           else Job.namespace == namespace).order_by(Job.id.desc())).first()
         if job is None:
-            job = Job(namespace=namespace, state="running")
+            job = Job(namespace=namespace, state="running", skipped=_count_in(s, namespace, "done"))
             s.add(job)
             s.flush()
         job.total = _count_in(s, namespace, None)

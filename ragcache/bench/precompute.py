@@ -10,7 +10,7 @@ from sqlalchemy import select
 from ..config import Settings
 from ..ingest import unpack_ids
 from ..meta import Chunk
-from ..precompute import _join_or_start_job, _work
+from ..precompute import join_or_start_job, _work
 from ..service import RagCache
 from .timing import table
 
@@ -37,7 +37,7 @@ def run(settings: Settings, args) -> int:
             return time.perf_counter() - t
 
         before = plain()
-        job = _join_or_start_job(service.db, None)
+        job = join_or_start_job(service.db, None)
         t = time.perf_counter()
         _work(service, job, None, "bench:0:0")
         job_s = time.perf_counter() - t

@@ -69,6 +69,10 @@ class DiskTier:
     def capacity_bytes(self) -> int:
         return self.capacity
 
+    def ping(self) -> None:
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise OSError(f"{self.root} is not writable")
+
     def sweep(self, known: set[str], grace_s: float) -> int:
         """Delete temp files and blobs without a metadata row, older than `grace_s` (another
         process may be between its rename and its commit). Returns how many were removed."""

@@ -6,11 +6,16 @@
 - eviction (lru or gdsf, per tier) demotes: evicted from CPU, still on disk; pinned entries
   are never evicted, and no tier goes over its capacity for an unpinned entry;
 - every blob is checked against the row's checksum on load; a bad or missing blob is dropped,
-  counted, and reported as a miss so the caller recomputes it.
+  counted, and reported as a miss so the caller recomputes it;
+- a blob tier that fails (Redis down, an I/O error) is not a request failure: the fault is
+  counted, logged once, and the tier skipped for `retry_s` seconds; a load from it is a miss
+  (its blobs are not judged: they may be fine), a put lands in the tiers that work.
 """
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,10 +28,16 @@ from .policy import make_policy
 from .tier import Tier
 
 _FLAG = {"disk": "on_disk", "redis": "in_redis"}
+_FAILED = object()
+log = logging.getLogger("ragcache.store")
 
 
 class StoreFull(Exception):
     """A durable tier has no room even after evicting every unpinned entry."""
+
+
+class StoreError(Exception):
+    """No blob tier could take an entry that had to be durable."""
 
 
 @dataclass
@@ -37,7 +48,7 @@ class Hit:
 
 class TieredStore:
     def __init__(self, db: Database, memory_tiers: list[Tier], blob_tiers: list[Tier], policy: str = "lru",
-                 write_back: bool = False, orphan_grace_s: float = 60.0):
+                 write_back: bool = False, orphan_grace_s: float = 60.0, retry_s: float = 5.0):
         if not blob_tiers and not write_back:
             raise ValueError("write-through needs at least one blob tier (disk or redis)")
         self.db, self.memory, self.blobs = db, memory_tiers, blob_tiers
@@ -51,45 +62,85 @@ class TieredStore:
         self.hits: Counter[str] = Counter()
         self.misses: Counter[str] = Counter()
         self.evictions: Counter[str] = Counter()
-        self.corrupt = 0
+        self.corrupt: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()  # blob-tier faults (a call that raised)
+        self.retry_s = retry_s
+        self._down_until: dict[str, float] = {}  # tier → monotonic time before which it is skipped
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-load")
         self.recover(orphan_grace_s)
 
     # ---- writes ------------------------------------------------------------------------------
 
-    def put(self, key: str, entry: StoredKV, *, pinned: bool = False, durable: bool = False) -> None:
-        """Store `entry`; `durable` persists it now even under write-back (the precompute job's promise)."""
+    def put(self, key: str, entry: StoredKV, *, pinned: bool = False, durable: bool = False,
+            best_effort: bool = False) -> bool:
+        """Store `entry`; `durable` persists it now even under write-back (the precompute job's promise).
+
+        A blob tier that is full or failing raises (StoreFull, StoreError), unless `best_effort`: then
+        the entry lands where it can and False says it is not durable (a request's chunk: served anyway).
+        """
         with self._lock:
             if pinned:
                 self._pinned.add(key)
             deferred = self.write_back and not durable
             if deferred:
                 self._dirty.add(key)
-        if not deferred:
-            self._persist(key, entry)
-        self._admit(key, entry)
-        if deferred and not any(t.contains(key) for t in self.memory):
-            self._persist(key, entry)  # no memory tier took it: write back now or lose it
+        try:
+            if not deferred:
+                self._persist(key, entry)
+            self._admit(key, entry)
+            if deferred and not any(t.contains(key) for t in self.memory):
+                self._persist(key, entry)  # no memory tier took it: write back now or lose it
+        except (StoreFull, StoreError) as e:
+            if not best_effort:
+                raise
+            log.debug("not stored durably: %s", e)
+            return False
+        return True
 
     def _persist(self, key: str, entry: StoredKV) -> None:
-        """Blob into every blob tier (durable first), then the row: a row never lacks its blob."""
+        """Blob into every blob tier that works (durable first), then the row: a row never lacks its blob."""
         blob = to_bytes(entry)
         csum = checksum(blob)
+        stored = []
         for tier in self.blobs:
             self._make_room(tier, len(blob), key)
-            tier.put(key, blob)
-            self._touch(tier, key, entry)
+            if self._io(tier, tier.put, key, blob) is not _FAILED:
+                self._touch(tier, key, entry)
+                stored.append(tier)
+        if not stored:
+            raise StoreError(f"no blob tier could store {key} ({', '.join(t.name for t in self.blobs)} failing)")
         with self.db.session() as s:
             row = s.get(KVEntry, key)
             if row is None:
                 row = KVEntry(key=key, n_tokens=entry.token_ids.numel(), kv_dtype=entry.kv_dtype)
                 s.add(row)
             row.bytes, row.checksum = len(blob), csum
-            for tier in self.blobs:
+            for tier in stored:
                 setattr(row, _FLAG[tier.name], True)
             row.pinned = row.pinned or key in self._pinned
         with self._lock:
             self._dirty.discard(key)
+
+    def _io(self, tier, fn, *args):
+        """One call into a blob tier; a fault is counted, logged once, and the tier rests `retry_s`."""
+        if time.monotonic() < self._down_until.get(tier.name, 0.0):
+            return _FAILED
+        try:
+            out = fn(*args)
+        except Exception as e:  # noqa: BLE001 — any fault of a cache tier: the request goes on without it
+            with self._lock:
+                self.errors[tier.name] += 1
+                first = tier.name not in self._down_until
+                self._down_until[tier.name] = time.monotonic() + self.retry_s
+            if first:
+                log.warning("%s tier failing (%s: %s): serving without it, retrying every %gs", tier.name,
+                            type(e).__name__, e, self.retry_s)
+            return _FAILED
+        if tier.name in self._down_until:
+            with self._lock:
+                self._down_until.pop(tier.name, None)
+            log.warning("%s tier is back", tier.name)
+        return out
 
     def _admit(self, key: str, entry: StoredKV, below: int | None = None) -> None:
         """Insert into the memory tiers above index `below` (all of them by default)."""
@@ -146,6 +197,9 @@ class TieredStore:
     def _forget(self, tier, key: str) -> None:
         with self._lock:
             self._policy[tier.name].remove(key)
+        if tier.holds_blobs:
+            self._io(tier, tier.delete, key)
+        else:
             tier.delete(key)
 
     def flush(self) -> None:
@@ -203,7 +257,9 @@ class TieredStore:
         return list(self._pool.map(self.get, keys))
 
     def _load_blob(self, tier, key: str, csum: str) -> StoredKV | None:
-        blob = tier.get(key)
+        blob = self._io(tier, tier.get, key)
+        if blob is _FAILED:
+            return None  # the tier is failing, not the blob: keep it
         if blob is not None:
             try:
                 if checksum(blob) != csum:
@@ -211,7 +267,7 @@ class TieredStore:
                 return from_bytes(blob)
             except CorruptBlob:
                 with self._lock:
-                    self.corrupt += 1
+                    self.corrupt[tier.name] += 1
         self._forget(tier, key)  # missing or bad: drop it, never serve it
         self._demoted(tier, key, None)
         return None
@@ -220,7 +276,8 @@ class TieredStore:
         with self._lock:
             self.hits[tier.name] += 1
             self._pending_hits[key] += 1
-            self._touch(tier, key, entry)
+            if tier.holds_blobs or tier.contains(key):  # not evicted meanwhile: never re-rank a gone key
+                self._touch(tier, key, entry)
             due = len(self._pending_hits) >= 256
         if due:
             self._write_hits()
@@ -245,10 +302,11 @@ class TieredStore:
     def recover(self, orphan_grace_s: float = 60.0) -> dict[str, int]:
         """At start: rows whose blob is gone are repaired, blobs without a row are removed."""
         fixed = Counter()
+        reachable = [t for t in self.blobs if self._io(t, t.keys) is not _FAILED]  # judge only tiers we can see
         with self.db.session() as s:
             rows = list(s.scalars(select(KVEntry)))
             for row in rows:
-                for tier in self.blobs:
+                for tier in reachable:
                     flag = _FLAG[tier.name]
                     if getattr(row, flag) and not tier.contains(row.key):
                         setattr(row, flag, False)
@@ -259,7 +317,7 @@ class TieredStore:
                     s.delete(row)
                     fixed["dropped_row"] += 1
             known = {r.key: (r.bytes, float(r.n_tokens)) for r in rows if r.on_disk or r.in_redis}
-        for tier in self.blobs:
+        for tier in reachable:
             if hasattr(tier, "sweep"):
                 fixed["orphan_blob"] += tier.sweep(set(known), orphan_grace_s)
             for key in tier.keys():
@@ -267,13 +325,61 @@ class TieredStore:
                     self._policy[tier.name].touch(key, *known[key])
         return dict(fixed)
 
+    def where(self, key: str) -> list[str]:
+        """The tiers that hold `key` now (blob tiers by their metadata row)."""
+        tiers = [t.name for t in self.memory if t.contains(key)]
+        with self.db.session() as s:
+            row = s.get(KVEntry, key)
+        if row is not None:
+            tiers += [t.name for t in self.blobs if getattr(row, _FLAG[t.name])]
+        return tiers
+
+    def is_pinned(self, key: str) -> bool:
+        return key in self._pinned
+
+    def set_pinned(self, key: str, pinned: bool) -> None:
+        """Pinned entries are never evicted; the mark is kept on the row, so it survives a restart."""
+        with self._lock:
+            (self._pinned.add if pinned else self._pinned.discard)(key)
+        with self.db.session() as s:
+            row = s.get(KVEntry, key)
+            if row is not None:
+                row.pinned = pinned
+
+    def evict(self, key: str) -> bool:
+        """Drop an unpinned entry from every tier (the next request recomputes it); False if pinned."""
+        if key in self._pinned:
+            return False
+        self.delete(key)
+        return True
+
+    def evict_tier(self, name: str) -> int:
+        """Empty one tier of its unpinned entries, demoting as capacity pressure would."""
+        tier = next((t for t in self.tiers if t.name == name), None)
+        if tier is None:
+            raise KeyError(name)
+        n = 0
+        for key in [k for k in tier.keys() if k not in self._pinned]:
+            with self._lock:
+                value = None if tier.holds_blobs else tier.get(key)
+                self._forget(tier, key)
+                self.evictions[tier.name] += 1
+            self._demoted(tier, key, value)
+            n += 1
+        return n
+
+    def health(self) -> dict[str, bool]:
+        """tier → reachable now."""
+        return {t.name: not t.holds_blobs or self._io(t, t.ping) is not _FAILED for t in self.tiers}
+
     def stats(self) -> dict:
         self._write_hits()
         return {
-            "tiers": [{"name": t.name, "entries": len(t.keys()), "used_bytes": t.used_bytes(),
-                       "capacity_bytes": t.capacity_bytes(), "hits": self.hits[t.name],
-                       "misses": self.misses[t.name], "evictions": self.evictions[t.name]} for t in self.tiers],
-            "corrupt_dropped": self.corrupt,
+            "tiers": [{"name": t.name, "entries": len(t.keys()),
+                       "used_bytes": t.used_bytes(), "capacity_bytes": t.capacity_bytes(), "hits": self.hits[t.name],
+                       "misses": self.misses[t.name], "evictions": self.evictions[t.name],
+                       "corrupt": self.corrupt[t.name], "errors": self.errors[t.name]} for t in self.tiers],
+            "corrupt_dropped": sum(self.corrupt.values()),
             "pinned": len(self._pinned),
         }
 

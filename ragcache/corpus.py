@@ -1,0 +1,170 @@
+"""The corpus role: documents in and out of SQL, and retrieval over each namespace's FAISS index.
+
+SQL is the truth; a process's FAISS index is a cache of the namespace's done chunks. Every
+change to what a namespace can retrieve bumps its `index_versions` row (ingest replacing a
+document, precompute finishing chunks, a delete), whichever process made it; `retrieve` reads
+that number (one small SELECT) and re-syncs the index only when it moved.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from sqlalchemy import delete, select
+
+from .chunking import Document, read_documents
+from .errors import NotFound, UserError
+from .ingest import IngestReport, corpus_counts, ingest_documents
+from .meta import Chunk, bump_index_versions
+from .meta import Document as DocRow
+
+
+@dataclass(frozen=True)
+class ChunkHit:
+    id: int
+    doc_id: str
+    score: float
+    text: str
+
+
+class Corpus:
+    def __init__(self, parts):
+        self.p = parts
+        self._synced: dict[str, int] = {}  # namespace → index version this process's index holds
+        self._sync_lock = threading.Lock()
+
+    # ---- documents -----------------------------------------------------------------------------
+
+    def ingest(self, path: str | Path, namespace: str = "default") -> IngestReport:
+        return self.ingest_documents(read_documents(Path(path)), namespace)
+
+    def ingest_documents(self, docs: list[Document], namespace: str = "default") -> IngestReport:
+        if not docs:
+            raise UserError("no documents given")
+        p = self.p
+        report = ingest_documents(p.db, p.tokenizer, p.model.fingerprint, docs, namespace, p.settings.chunk_tokens)
+        if report.removed_chunk_ids:
+            p.index.remove(namespace, np.asarray(report.removed_chunk_ids))
+            p.index.save(namespace)
+        for key in report.orphan_kv_keys:
+            p.store.delete(key)
+        return report
+
+    def document(self, namespace: str, external_id: str) -> dict:
+        with self.p.db.session() as s:
+            doc = self._doc(s, namespace, external_id)
+            rows = s.execute(select(Chunk.id, Chunk.state, Chunk.n_tokens).where(Chunk.document_id == doc.id)
+                             .order_by(Chunk.ordinal)).all()
+            states: dict[str, int] = {}
+            for _, state, _ in rows:
+                states[state] = states.get(state, 0) + 1
+            return {"id": doc.external_id, "namespace": doc.namespace, "title": doc.title,
+                    "created": doc.created.isoformat(), "chunk_ids": [r[0] for r in rows],
+                    "tokens": sum(r[2] for r in rows), "chunks_by_state": states}
+
+    def delete_document(self, namespace: str, external_id: str) -> dict:
+        """Its chunks leave SQL, this process's index (others re-sync: the version moves) and the store."""
+        with self.p.db.session() as s:
+            doc = self._doc(s, namespace, external_id)
+            chunks = s.execute(select(Chunk.id, Chunk.kv_key).where(Chunk.document_id == doc.id)).all()
+            s.execute(delete(Chunk).where(Chunk.document_id == doc.id))
+            s.delete(doc)
+            keys = {k for _, k in chunks if k}
+            shared = set(s.scalars(select(Chunk.kv_key).where(Chunk.kv_key.in_(keys)))) if keys else set()
+            bump_index_versions(s, [namespace])
+        ids = np.asarray([cid for cid, _ in chunks], dtype=np.int64)
+        if len(ids) and self.p.loaded("index"):
+            self.p.index.remove(namespace, ids)
+            self.p.index.save(namespace)
+        for key in keys - shared:
+            self.p.store.delete(key)
+        return {"id": external_id, "namespace": namespace, "chunks_removed": len(chunks),
+                "kv_entries_removed": len(keys - shared)}
+
+    @staticmethod
+    def _doc(s, namespace: str, external_id: str) -> DocRow:
+        doc = s.scalars(select(DocRow).where(DocRow.namespace == namespace, DocRow.external_id == external_id)).first()
+        if doc is None:
+            raise NotFound(f"no document {external_id!r} in namespace {namespace!r}")
+        return doc
+
+    def counts(self, namespace: str | None = None) -> dict[str, int]:
+        return corpus_counts(self.p.db, namespace)
+
+    def namespaces(self) -> list[str]:
+        with self.p.db.session() as s:
+            return sorted(s.scalars(select(DocRow.namespace).distinct()))
+
+    # ---- retrieval -----------------------------------------------------------------------------
+
+    def refresh(self, namespace: str) -> None:
+        """Re-sync the namespace's index if another process (or this one) changed what it holds."""
+        if self._synced.get(namespace) != self.p.db.index_version(namespace):
+            self.sync_index(namespace)
+
+    def sync_index(self, namespace: str) -> int:
+        """Make the namespace's index hold exactly its done chunks' embeddings; returns the changes."""
+        db, index = self.p.db, self.p.index
+        with self._sync_lock:
+            version = db.index_version(namespace)  # read first: a change after it re-syncs next time
+            with db.session() as s:
+                want = set(s.scalars(select(Chunk.id).where(Chunk.namespace == namespace, Chunk.state == "done",
+                                                            Chunk.embedding.is_not(None))))
+            have = index.ids(namespace)
+            extra = np.asarray(sorted(have - want), dtype=np.int64)
+            missing = sorted(want - have)
+            if len(extra):
+                index.remove(namespace, extra)
+            for i in range(0, len(missing), 1000):
+                ids = missing[i : i + 1000]
+                with db.session() as s:
+                    rows = dict(s.execute(select(Chunk.id, Chunk.embedding).where(Chunk.id.in_(ids))).all())
+                ids = [c for c in ids if rows.get(c) is not None]  # deleted since: the next sync sees it
+                if ids:
+                    vecs = np.stack([np.frombuffer(rows[c], dtype=np.float32) for c in ids])
+                    index.add(namespace, np.asarray(ids, dtype=np.int64), vecs)
+            if len(extra) or missing:
+                index.save(namespace)
+            self._synced[namespace] = version
+            return len(missing) + len(extra)
+
+    def search(self, query: str, namespace: str = "default", k: int | None = None) -> list[ChunkHit]:
+        return [hit for hit, _ in self.retrieve(query, namespace, k)]
+
+    def retrieve(self, query: str, namespace: str, k: int | None) -> list[tuple[ChunkHit, Chunk]]:
+        """The top-k chunks for `query`, best first, with their rows."""
+        check_query(query)
+        self.refresh(namespace)
+        found = self.p.index.search(namespace, self.p.embedder.embed([query])[0], k or self.p.settings.top_k)
+        if not found:
+            return []
+        with self.p.db.session() as s:
+            rows = {c.id: (c, d.external_id) for c, d in s.execute(
+                select(Chunk, DocRow).join(DocRow, DocRow.id == Chunk.document_id).where(
+                    Chunk.id.in_([i for i, _ in found]), Chunk.namespace == namespace))}
+        return [(ChunkHit(i, rows[i][1], score, rows[i][0].text), rows[i][0]) for i, score in found if i in rows]
+
+    def chunk_rows(self, namespace: str, chunk_ids: list[int] | None = None, doc_id: str | None = None) -> list:
+        """(chunk id, document id, token ids bytes) of the named chunks or document, all in `namespace`."""
+        if (chunk_ids is None) == (doc_id is None):
+            raise UserError("name either chunk_ids or doc_id")
+        with self.p.db.session() as s:
+            q = select(Chunk.id, DocRow.external_id, Chunk.token_ids).join(DocRow, DocRow.id == Chunk.document_id)
+            if doc_id is not None:
+                self._doc(s, namespace, doc_id)
+                q = q.where(DocRow.namespace == namespace, DocRow.external_id == doc_id)
+            else:
+                q = q.where(Chunk.namespace == namespace, Chunk.id.in_(chunk_ids))
+            rows = s.execute(q.order_by(Chunk.id)).all()
+        if chunk_ids is not None:
+            unknown = sorted(set(chunk_ids) - {r[0] for r in rows})
+            if unknown:
+                raise NotFound(f"no chunk {unknown[0]} in namespace {namespace!r}")
+        return rows
+
+
+def check_query(query: str) -> None:
+    if not query.strip():
+        raise UserError("the query is empty")

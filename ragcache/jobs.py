@@ -1,0 +1,130 @@
+"""The jobs role: precompute jobs started for a server, run in a process of their own.
+
+A job is a row in SQL (`jobs`); its work is `ragcache precompute --job ID`, a child process, so
+the server stays responsive and the job survives nothing it should not: a server that stops
+terminates its children, and the job resumes (chunk states are in SQL) when started again.
+The child gets `job_threads` torch threads; the server uses the rest while it runs.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import threading
+
+from .errors import Conflict, NotFound
+from .meta import Job, utcnow
+from .precompute import join_or_start_job
+
+
+class Jobs:
+    def __init__(self, parts):
+        self.p = parts
+        self._children: dict[int, subprocess.Popen] = {}
+        self._lock = threading.Lock()
+
+    def start(self, namespace: str | None) -> dict:
+        """Start (or join the running) precompute job for `namespace` (None: every namespace)."""
+        with self._lock:
+            self._reap()
+            for job_id in self._children:
+                job = self._row(job_id)
+                if job["namespace"] == namespace:
+                    return job
+            if self.p.db.is_sqlite and (self._children or self._lock_held()):
+                raise Conflict("a precompute is already running on this SQLite database; wait for it, or use "
+                               "PostgreSQL (RAGCACHE_DATABASE_URL) for several at once")
+            job_id = join_or_start_job(self.p.db, namespace)
+            log = open(self.p.settings.home / f"job-{job_id}.log", "ab")
+            cmd = [sys.executable, "-m", "ragcache.cli", "precompute", "--job", str(job_id), "--quiet"]
+            if namespace is not None:
+                cmd += ["--namespace", namespace]
+            self._children[job_id] = subprocess.Popen(cmd, env=self._child_env(), stdout=log, stderr=log,
+                                                      stdin=subprocess.DEVNULL)
+            log.close()
+            return self._row(job_id)
+
+    def get(self, job_id: int) -> dict:
+        with self._lock:
+            self._reap()
+        return self._row(job_id)
+
+    def _row(self, job_id: int) -> dict:
+        with self.p.db.session() as s:
+            job = s.get(Job, job_id)
+            if job is None:
+                raise NotFound(f"no job {job_id}")
+            return _as_dict(job)
+
+    def running(self) -> int:
+        """Children of this process still working."""
+        with self._lock:
+            self._reap()
+            return len(self._children)
+
+    def _reap(self) -> None:
+        """Children that ended (the lock held): a failure is written on the job, with its last line."""
+        for job_id, proc in list(self._children.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del self._children[job_id]
+            if code != 0:
+                self._fail(job_id, f"precompute exited with status {code}: {self._last_line(job_id)}")
+
+    def _fail(self, job_id: int, reason: str) -> None:
+        with self.p.db.session() as s:
+            job = s.get(Job, job_id)
+            if job is not None and job.state == "running":
+                job.state, job.error, job.finished = "failed", reason[:2000], utcnow()
+
+    def _last_line(self, job_id: int) -> str:
+        try:
+            lines = (self.p.settings.home / f"job-{job_id}.log").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "no output"
+        return lines[-1] if lines else "no output"
+
+    def _lock_held(self) -> bool:
+        """Another process holds SQLite's one-precompute lock (the CLI, say)."""
+        path = self.p.settings.home / "precompute.lock"
+        if not path.exists():
+            return False
+        with open(path, "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return False
+
+    def _child_env(self) -> dict[str, str]:
+        """This server's settings, as the child's RAGCACHE_* environment, with the job's thread share."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAGCACHE_")}
+        for name, value in self.p.settings.model_dump().items():
+            if value is None:
+                continue
+            env[f"RAGCACHE_{name.upper()}"] = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+        env["RAGCACHE_THREADS"] = str(self.p.settings.job_thread_count())
+        return env
+
+    def close(self) -> None:
+        """Stop the children (their jobs resume from SQL when started again)."""
+        with self._lock:
+            for proc in self._children.values():
+                proc.terminate()
+            for proc in self._children.values():
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            self._children.clear()
+
+
+def _as_dict(job: Job) -> dict:
+    return {"id": job.id, "namespace": job.namespace, "state": job.state, "total": job.total, "done": job.done,
+            "failed": job.failed, "skipped": job.skipped, "tokens": job.tokens,
+            "started": job.started.isoformat() if job.started else None,
+            "finished": job.finished.isoformat() if job.finished else None, "error": job.error}

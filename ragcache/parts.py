@@ -1,0 +1,120 @@
+"""The parts every role of the service shares, each loaded on first use, once, thread-safely.
+
+model, runner, tokenizer, chat frame, the system prompt's exact prefix KV, the tiered store,
+the embedder and the FAISS indexes. `search` never loads the LLM; a server warms them all at
+start so that no request pays a one-time cost.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from blend import ALONE, ChunkKV, Runner, compute_chunk, compute_prefix, load_model
+from blend.prompt import as_ids, chat_frame, stop_token_ids
+
+from .config import Settings
+from .meta import Database
+from .store import encode as encode_kv
+from .store import kv_key, open_store
+
+
+class part:
+    """`functools.cached_property` whose first computation holds the owner's lock: two threads
+    never build one part twice (cached_property has no lock since Python 3.12)."""
+
+    def __init__(self, fn):
+        self.fn, self.name, self.__doc__ = fn, fn.__name__, fn.__doc__
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        try:
+            return obj.__dict__[self.name]
+        except KeyError:
+            pass
+        with obj._parts_lock:
+            if self.name not in obj.__dict__:
+                obj.__dict__[self.name] = self.fn(obj)
+            return obj.__dict__[self.name]
+
+
+class Parts:
+    def __init__(self, settings: Settings | None = None):
+        self.settings = settings or Settings()
+        self.settings.home.mkdir(parents=True, exist_ok=True)
+        self.db = Database(self.settings.db_url)
+        self._parts_lock = threading.RLock()
+        self._salts: dict[str, str] = {}  # namespace → key salt; never changes once created
+
+    def loaded(self, name: str) -> bool:
+        return name in self.__dict__
+
+    @part
+    def model(self):
+        s = self.settings
+        return load_model(s.model, s.home, s.device, s.dtype)
+
+    @part
+    def runner(self) -> Runner:
+        return Runner(self.model)
+
+    @part
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    @part
+    def frame(self):
+        return chat_frame(self.tokenizer, self.settings.system_prompt)
+
+    @part
+    def prefix(self):
+        """The system prompt's KV: an exact prefix cache shared by every request."""
+        return compute_prefix(self.runner, as_ids(self.frame.head))
+
+    @part
+    def stops(self) -> frozenset[int]:
+        return stop_token_ids(self.tokenizer, self.model.config)
+
+    @part
+    def store(self):
+        return open_store(self.settings, self.db)
+
+    @part
+    def embedder(self):
+        from index import Embedder
+
+        return Embedder()
+
+    @part
+    def index(self):
+        from index import VectorIndex
+
+        return VectorIndex(self.settings.home / "index", self.embedder.dim, self.settings.index_kind)
+
+    @property
+    def kv_dtype(self) -> str:
+        d = self.settings.kv_dtype
+        return str(self.model.dtype).removeprefix("torch.") if d == "auto" else d
+
+    @property
+    def chunk_context(self) -> str:
+        return self.prefix.key if self.settings.chunk_prefill == "prefixed" else ALONE
+
+    def kv_key_of(self, token_ids: torch.Tensor, namespace: str) -> str:
+        salt = self._salts.get(namespace)
+        if salt is None:
+            salt = self._salts[namespace] = self.db.namespace_salt(namespace, self.settings.share_across_namespaces)
+        return kv_key(self.model.fingerprint, token_ids, self.chunk_context, self.kv_dtype, salt)
+
+    def store_encode(self, kv: ChunkKV):
+        return encode_kv(kv, self.kv_dtype)
+
+    def compute_chunk_kv(self, token_ids: torch.Tensor) -> ChunkKV:
+        prefixed = self.settings.chunk_prefill == "prefixed"
+        return compute_chunk(self.runner, token_ids, self.prefix if prefixed else None)
+
+    def close(self) -> None:
+        if self.loaded("store"):
+            self.store.close()
+        self.db.dispose()
