@@ -1,4 +1,3 @@
-"""api: the HTTP layer (FastAPI: REST, OpenAI-compatible chat, admin, /metrics).
-
-Arrives with the REST API issue. It calls `ragcache.RagCache` and holds no model or store logic.
-"""
+"""api: the HTTP layer (FastAPI): REST retrieve-and-generate, OpenAI-compatible chat, documents,
+jobs, cache admin, health, /metrics and the dashboard. It calls `ragcache` and holds no model or
+store logic (DESIGN.md layering: api → ragcache)."""

@@ -1,0 +1,55 @@
+"""The app factory: `create_app(settings)` → a FastAPI app that owns one RagCache and its scheduler.
+
+    ragcache serve --host 127.0.0.1 --port 8000      (uvicorn, see ragcache/cli.py)
+
+At start the model thread loads every part (/health answers at once, /ready once loaded); at
+shutdown it stops, precompute children are terminated (their jobs resume), the store flushes.
+"""
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
+
+from ragcache.config import Settings
+from ragcache.scheduler import Scheduler
+from ragcache.service import RagCache
+
+from . import errors
+from .metrics import Metrics
+from .middleware import BodyLimit, CountRequests
+from .routes import cache, dashboard, documents, health, jobs, openai, rag
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service = RagCache(settings)
+        scheduler = Scheduler(service, settings.max_queue)
+        app.state.service, app.state.scheduler = service, scheduler
+        app.state.metrics = Metrics(service, scheduler)
+        app.state.warm_error = None
+        scheduler.submit(lambda _t: service.warm(None), lambda kind, e: _warmed(app, kind, e))
+        try:
+            yield
+        finally:
+            scheduler.close()
+            service.close()
+
+    app = FastAPI(title="ragcache", version="0.1.0", lifespan=lifespan,
+                  description="RAG serving cache: precomputed chunk KV, stitched and repaired at query time.")
+    errors.install(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(CountRequests)  # outermost: it counts the 413s too
+    for module in (rag, openai, documents, jobs, cache, health, dashboard):
+        app.include_router(module.router)
+    app.mount("/static", StaticFiles(directory=dashboard.STATIC), name="static")
+    return app
+
+
+def _warmed(app: FastAPI, kind: str, payload) -> None:
+    if kind == "error":
+        app.state.warm_error = f"{type(payload).__name__}: {payload}"

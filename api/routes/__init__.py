@@ -1,0 +1,1 @@
+"""One module per resource: rag, openai, documents, jobs, cache, health, dashboard."""

@@ -1,0 +1,49 @@
+"""The dashboard: GET / (static page), /static/*, and the JSON it reads beyond the other routes:
+recent requests and the latest `ragcache eval` run kept in the server's home."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import FileResponse
+
+from ..auth import Caller, caller
+from ..deps import service
+from ..errors import ApiError
+
+STATIC = Path(__file__).resolve().parents[1] / "static"
+router = APIRouter(tags=["dashboard"])
+
+
+@router.get("/", include_in_schema=False)
+async def page():
+    return FileResponse(STATIC / "index.html")
+
+
+
+@router.get("/v1/requests/recent")
+def recent(request: Request, limit: int = Query(50, ge=1, le=500), who: Caller = Depends(caller)):
+    return {"requests": service(request).requests.recent(who.namespaces, limit)}
+
+
+def _latest(request: Request) -> Path:
+    return service(request).settings.home / "eval" / "latest"
+
+
+@router.get("/v1/eval/latest")
+def eval_latest(request: Request, _who: Caller = Depends(caller)):
+    path = _latest(request) / "results.json"
+    if not path.is_file():
+        return {"available": False}
+    plot = (_latest(request) / "pareto.png").is_file()
+    return {"available": True, "results": json.loads(path.read_text()),
+            "plot_url": "/v1/eval/latest/pareto.png" if plot else None}
+
+
+@router.get("/v1/eval/latest/pareto.png", response_class=FileResponse)
+def eval_plot(request: Request, _who: Caller = Depends(caller)):
+    path = _latest(request) / "pareto.png"
+    if not path.is_file():
+        raise ApiError(404, "no evaluation has run in this server's home: ragcache eval")
+    return FileResponse(path, media_type="image/png")

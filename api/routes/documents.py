@@ -1,0 +1,90 @@
+"""Documents: POST /v1/documents (a JSON list, {"documents": [...]}, or a JSONL body), then a
+precompute job unless `precompute=false`; GET and DELETE /v1/documents/{id}."""
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import TypeAdapter, ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from ragcache.chunking import Document
+
+from ..auth import Caller, caller
+from ..deps import on_model_thread, service
+from ..errors import ApiError
+from ..schemas import DocumentIn
+
+router = APIRouter(tags=["documents"])
+
+_DOC = {"type": "object", "required": ["id", "text"],
+        "properties": {"id": {"type": "string"}, "title": {"type": "string"}, "text": {"type": "string", "minLength": 1}}}
+_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": {"oneOf": [{"type": "array", "items": _DOC, "minItems": 1},
+                                              {"type": "object", "required": ["documents"],
+                                               "properties": {"documents": {"type": "array", "items": _DOC,
+                                                                            "minItems": 1}}}]}},
+    "application/x-ndjson": {"schema": {"type": "string", "description": "one JSON document a line"}}}}}
+
+
+def _parse(raw: bytes, content_type: str) -> list[Document]:
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        raise ApiError(422, "the body is not UTF-8", "body") from None
+    if "json" in content_type and "ndjson" not in content_type and "jsonl" not in content_type:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ApiError(422, f"the body is not JSON ({e.msg} at line {e.lineno})", "body") from None
+        rows = data.get("documents") if isinstance(data, dict) else data
+    else:
+        rows = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ApiError(422, f"line {n} is not JSON ({e.msg})", f"line {n}") from None
+    if not isinstance(rows, list) or not rows:
+        raise ApiError(422, 'expected a non-empty list of {"id", "title", "text"} documents', "documents")
+    try:
+        docs = TypeAdapter(list[DocumentIn]).validate_python(rows)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise ApiError(422, f"documents.{where}: {err['msg']}", f"documents.{where}") from None
+    ids = [str(d.id) for d in docs]
+    if any(not i.strip() for i in ids):
+        raise ApiError(422, "a document id is empty", "documents.id")
+    if len(set(ids)) != len(ids):
+        raise ApiError(422, "document ids repeat within the request", "documents.id")
+    return [Document(str(d.id), d.title, d.text) for d in docs]
+
+
+@router.post("/v1/documents", openapi_extra=_BODY,
+             description="Ingest documents into a namespace, then (unless precompute=false) start a precompute job.")
+async def add_documents(request: Request, namespace: str = Query("default", min_length=1, max_length=128),
+                        precompute: bool = True, who: Caller = Depends(caller)):
+    who.allow(namespace)
+    docs = _parse(await request.body(), request.headers.get("content-type", "application/json"))
+    svc = service(request)
+    report = await on_model_thread(request, lambda: svc.corpus.ingest_documents(docs, namespace))
+    job = await run_in_threadpool(svc.jobs.start, namespace) if precompute and report.chunks_added else None
+    return {"namespace": namespace,
+            "documents": {"added": report.added, "unchanged": report.unchanged, "replaced": report.replaced},
+            "chunks": {"added": report.chunks_added, "removed": report.chunks_removed}, "job": job}
+
+
+@router.get("/v1/documents/{doc_id:path}")
+def get_document(doc_id: str, request: Request, namespace: str = Query("default", min_length=1),
+                       who: Caller = Depends(caller)):
+    who.allow(namespace)
+    return service(request).corpus.document(namespace, doc_id)
+
+
+@router.delete("/v1/documents/{doc_id:path}")
+def delete_document(doc_id: str, request: Request, namespace: str = Query("default", min_length=1),
+                    who: Caller = Depends(caller)):
+    who.allow(namespace)
+    return service(request).corpus.delete_document(namespace, doc_id)

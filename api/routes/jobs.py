@@ -1,0 +1,23 @@
+"""Precompute jobs: POST /v1/jobs/precompute starts (or joins) one in a child process; GET /v1/jobs/{id}."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Path, Request
+
+from ..auth import Caller, caller
+from ..deps import service
+from ..schemas import JobRequest
+
+router = APIRouter(tags=["jobs"])
+
+
+@router.post("/v1/jobs/precompute", status_code=202)
+def start(req: JobRequest, request: Request, who: Caller = Depends(caller)):
+    who.allow(req.namespace)
+    return service(request).jobs.start(req.namespace)
+
+
+@router.get("/v1/jobs/{job_id}")
+def get(request: Request, job_id: int = Path(ge=1, le=2**31 - 1), who: Caller = Depends(caller)):
+    job = service(request).jobs.get(job_id)
+    who.allow(job["namespace"])
+    return job

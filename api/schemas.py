@@ -1,0 +1,164 @@
+"""Request and response bodies (pydantic): what /openapi.json documents and every route validates."""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ragcache.config import MODES
+
+Mode = Literal[MODES]  # type: ignore[valid-type]
+Namespace = Field(default="default", min_length=1, max_length=128)
+RowId = Annotated[int, Field(ge=1, le=2**31 - 1)]  # a SQL integer key
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GenerateRequest(Strict):
+    query: str = Field(min_length=1, max_length=20000)
+    namespace: str = Namespace
+    top_k: int | None = Field(default=None, ge=1, le=64)
+    mode: Mode | None = None
+    recompute_ratio: float | None = Field(default=None, ge=0, le=1, description="cacheblend: share recomputed")
+    epic_k: int | None = Field(default=None, ge=0, le=4096, description="epic: tokens recomputed per chunk")
+    max_tokens: int | None = Field(default=None, ge=1, le=1 << 20, description="the model's context bounds it")
+    temperature: float = Field(default=0.0, ge=0, le=5)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int | None = None
+    stream: bool = False
+    explain: bool = Field(default=False, description="token strings, chunk spans, recomputed rows, deviations")
+    ignore_eos: bool = Field(default=False, description="decode max_tokens tokens whatever the model says")
+
+
+class Chunk(BaseModel):
+    id: int
+    doc_id: str
+    score: float
+    tier: str
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    reused_tokens: int
+    recomputed_tokens: int
+    completion_tokens: int
+
+
+class Timings(BaseModel):
+    retrieve: float
+    load: float
+    blend: float
+    ttft: float
+    decode: float
+    total: float
+
+
+class GenerateResponse(BaseModel):
+    request_id: str
+    answer: str
+    mode: str
+    finish_reason: str
+    chunks: list[Chunk]
+    usage: Usage
+    timings_ms: Timings
+    explain: dict | None = None
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class RagOptions(Strict):
+    namespace: str = Namespace
+    top_k: int | None = Field(default=None, ge=1, le=64)
+    mode: Mode | None = None
+    recompute_ratio: float | None = Field(default=None, ge=0, le=1)
+    epic_k: int | None = Field(default=None, ge=0, le=4096)
+    explain: bool = False
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class ChatRequest(BaseModel):
+    """OpenAI's chat.completions body; unknown fields are ignored as OpenAI-compatible servers do."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    temperature: float = Field(default=0.0, ge=0, le=2, description="default 0: greedy")
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+    ignore_eos: bool = False
+    rag: RagOptions = Field(default_factory=RagOptions)
+
+    @model_validator(mode="after")
+    def _last_is_user(self):
+        if self.messages[-1].role != "user":
+            raise ValueError("the last message must be the user's question")
+        if not self.messages[-1].text().strip():
+            raise ValueError("the last user message is empty")
+        return self
+
+
+class DocumentIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | int
+    title: str = ""
+    text: str = Field(min_length=1)
+
+
+class DocumentsIn(Strict):
+    documents: list[DocumentIn] = Field(min_length=1)
+
+
+class JobRequest(Strict):
+    namespace: str | None = Field(default=None, min_length=1, max_length=128,
+                                  description="None: every namespace (admin key only)")
+
+
+class ChunkSelector(Strict):
+    namespace: str = Namespace
+    chunk_ids: list[RowId] | None = Field(default=None, min_length=1, max_length=10000)
+    doc_id: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.chunk_ids is None) == (self.doc_id is None):
+            raise ValueError("name either chunk_ids or doc_id")
+        return self
+
+
+class EvictRequest(Strict):
+    namespace: str | None = Field(default=None, min_length=1, max_length=128)
+    chunk_ids: list[RowId] | None = Field(default=None, min_length=1, max_length=10000)
+    doc_id: str | None = Field(default=None, min_length=1)
+    tier: Literal["gpu", "cpu", "disk", "redis"] | None = Field(default=None, description="admin: empty a tier")
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.tier is None) == (self.chunk_ids is None and self.doc_id is None):
+            raise ValueError("name a tier, or chunk_ids or doc_id (with their namespace)")
+        if self.chunk_ids is not None and self.doc_id is not None:
+            raise ValueError("name either chunk_ids or doc_id")
+        return self

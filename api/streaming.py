@@ -1,0 +1,75 @@
+"""Model work from the event loop: a scheduler ticket's events as an async stream, and SSE framing.
+
+The scheduler calls back from its thread; events cross into the loop with call_soon_threadsafe.
+A client that goes away cancels its ticket: a streaming response's generator is cancelled by
+Starlette when the client disconnects, and a plain request polls for the disconnect while it
+waits; either way the model thread drops it at its next token (or never starts it).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request
+
+_END = ("done", "error", "cancelled")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+class TicketStream:
+    def __init__(self, scheduler, work: Callable):
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.ticket = scheduler.submit(work, self._on_event)  # Busy → 429 before anything starts
+
+    def _on_event(self, kind: str, payload: Any) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, (kind, payload))
+
+    async def next(self, request: Request | None = None) -> tuple[str, Any]:
+        """The next event; with `request`, a disconnect while waiting cancels the ticket (ClientGone)."""
+        while True:
+            try:
+                return await asyncio.wait_for(self._queue.get(), timeout=0.5)
+            except (asyncio.TimeoutError, TimeoutError):
+                if request is not None and await request.is_disconnected():
+                    self.ticket.cancel()
+                    raise ClientGone() from None
+
+    async def result(self, request: Request) -> Any:
+        """Wait for the end: the result, or the error raised."""
+        while True:
+            kind, payload = await self.next(request)
+            if kind == "done":
+                return payload
+            if kind == "error":
+                raise payload
+            if kind == "cancelled":
+                raise ClientGone()
+
+    async def events(self, first: tuple[str, Any] | None = None) -> AsyncIterator[tuple[str, Any]]:
+        """Every event up to and including the last; the ticket is cancelled if the consumer stops early."""
+        try:
+            if first is not None:
+                yield first
+                if first[0] in _END:
+                    return
+            while True:
+                kind, payload = await self.next()
+                yield kind, payload
+                if kind in _END:
+                    return
+        finally:
+            self.ticket.cancel()  # a no-op once it ended; frees the slot of a client that left
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    """One server-sent event: `event: NAME` (optional) and a JSON (or literal string) `data:` line."""
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return (f"event: {event}\n" if event else "") + f"data: {text}\n\n"
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
