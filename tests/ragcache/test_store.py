@@ -149,7 +149,7 @@ def test_corrupt_disk_blob_is_detected_dropped_and_a_miss(db, tmp_path, damage):
     path.write_bytes(bytes(data))
     store = make_store(db, tmp_path)
     assert store.get("k") is None
-    assert store.corrupt == 1 and not path.exists()
+    assert store.corrupt["disk"] == 1 and not path.exists()
     with db.session() as s:
         assert s.get(KVEntry, "k") is None  # nothing else held it: the entry is gone, to be recomputed
 
@@ -161,7 +161,7 @@ def test_corrupt_redis_blob_is_detected_and_the_disk_copy_is_untouched(db, tmp_p
     DiskTier(tmp_path / "kv", 1 << 30).delete("k")  # force the read to Redis
     redis.Redis.from_url(REDIS_URL).setrange(redis_prefix + "k", 200, b"\xff\xfe")
     store = make_store(db, tmp_path, redis_prefix=redis_prefix)
-    assert store.get("k") is None and store.corrupt == 1
+    assert store.get("k") is None and store.corrupt["redis"] == 1
     assert not redis.Redis.from_url(REDIS_URL).exists(redis_prefix + "k")
 
 
