@@ -66,6 +66,10 @@ def install(app: FastAPI) -> None:
         err = from_exception(e)
         return response(err.status, err.message, headers=err.headers)
 
+    @app.exception_handler(ClientGone)
+    async def _gone(_r: Request, e: ClientGone):
+        return response(499, "the client closed the request")  # nobody reads it: for the metrics
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_r: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}

@@ -26,7 +26,7 @@ class GenerateRequest(Strict):
     max_tokens: int | None = Field(default=None, ge=1, le=1 << 20, description="the model's context bounds it")
     temperature: float = Field(default=0.0, ge=0, le=5)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stream: bool = False
     explain: bool = Field(default=False, description="token strings, chunk spans, recomputed rows, deviations")
     ignore_eos: bool = Field(default=False, description="decode max_tokens tokens whatever the model says")
@@ -107,7 +107,7 @@ class ChatRequest(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     temperature: float = Field(default=0.0, ge=0, le=2, description="default 0: greedy")
     top_p: float = Field(default=1.0, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     n: int = Field(default=1, ge=1, le=1, description="one choice per request")
     ignore_eos: bool = False
     rag: RagOptions = Field(default_factory=RagOptions)

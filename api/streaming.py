@@ -12,6 +12,7 @@ import json
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 _END = ("done", "error", "cancelled")
 
@@ -51,19 +52,16 @@ class TicketStream:
                 raise ClientGone()
 
     async def events(self, first: tuple[str, Any] | None = None) -> AsyncIterator[tuple[str, Any]]:
-        """Every event up to and including the last; the ticket is cancelled if the consumer stops early."""
-        try:
-            if first is not None:
-                yield first
-                if first[0] in _END:
-                    return
-            while True:
-                kind, payload = await self.next()
-                yield kind, payload
-                if kind in _END:
-                    return
-        finally:
-            self.ticket.cancel()  # a no-op once it ended; frees the slot of a client that left
+        """Every event up to and including the last."""
+        if first is not None:
+            yield first
+            if first[0] in _END:
+                return
+        while True:
+            kind, payload = await self.next()
+            yield kind, payload
+            if kind in _END:
+                return
 
 
 def sse(data: Any, event: str | None = None) -> str:
@@ -72,4 +70,16 @@ def sse(data: Any, event: str | None = None) -> str:
     return (f"event: {event}\n" if event else "") + f"data: {text}\n\n"
 
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+def sse_response(stream: TicketStream, body: AsyncIterator[str]) -> StreamingResponse:
+    """`body`'s events as text/event-stream. However it ends (the client gone mid-send included), the
+    ticket is cancelled: a no-op once it finished, a freed slot otherwise."""
+
+    async def guarded():
+        try:
+            async for text in body:
+                yield text
+        finally:
+            stream.ticket.cancel()
+
+    return StreamingResponse(guarded(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -10,6 +10,9 @@ from .cache import KVCache
 from .runner import Runner
 
 
+GREEDY_BELOW = 1e-4
+
+
 @dataclass(frozen=True)
 class Sampling:
     max_new_tokens: int = 64
@@ -20,15 +23,17 @@ class Sampling:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
-        if self.temperature < 0:
+        if not self.temperature >= 0:
             raise ValueError("temperature must be >= 0")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError("seed must be in [0, 2**63)")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
 
 
 def pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """logits (V,) → the next token id."""
-    if sampling.temperature == 0:
+    """logits (V,) → the next token id. Temperatures under GREEDY_BELOW are greedy (dividing by them overflows)."""
+    if sampling.temperature < GREEDY_BELOW:
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
     if sampling.top_p < 1:

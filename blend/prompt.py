@@ -41,6 +41,7 @@ def conversation(tokenizer, system: str, turns: list[tuple[str, str]]) -> tuple[
     """
     if not turns or turns[-1][0] != "user":
         raise ValueError("a conversation must end with a user turn")
+    turns = [(role, content.replace("\x00", "")) for role, content in turns]  # our sentinels stay ours
     (_, first), rest = turns[0], turns[1:]
     if not getattr(tokenizer, "chat_template", None):
         frame = chat_frame(tokenizer, system)

@@ -106,18 +106,22 @@ class VectorIndex:
         return np.concatenate(chunks).astype(np.int64) if chunks else np.empty(0, np.int64)
 
     def search(self, namespace: str, query: np.ndarray, k: int) -> list[tuple[int, float]]:
-        """query (dim,) → up to k (id, score), best first."""
-        part = self._part(namespace)
-        if part.ntotal == 0 or k <= 0:
-            return []
-        scores, ids = part.search(np.ascontiguousarray(query, dtype=np.float32).reshape(1, -1), min(k, part.ntotal))
+        """query (dim,) → up to k (id, score), best first. Under the lock: an add or remove never races it."""
+        with self._lock:
+            part = self._part(namespace)
+            if part.ntotal == 0 or k <= 0:
+                return []
+            scores, ids = part.search(np.ascontiguousarray(query, dtype=np.float32).reshape(1, -1),
+                                      min(k, part.ntotal))
         return [(int(i), float(s)) for i, s in zip(ids[0], scores[0]) if i != -1]
 
     def ids(self, namespace: str) -> set[int]:
-        return set(self._ids(self._part(namespace)).tolist())
+        with self._lock:
+            return set(self._ids(self._part(namespace)).tolist())
 
     def count(self, namespace: str) -> int:
-        return self._part(namespace).ntotal
+        with self._lock:
+            return self._part(namespace).ntotal
 
     def save(self, namespace: str) -> None:
         """Atomically: write a temp file, fsync, rename."""

@@ -72,25 +72,6 @@ def _ask(args, settings) -> int:
     return 0
 
 
-def _serve(args, settings) -> int:
-    import logging
-
-    import uvicorn
-
-    from api.app import create_app
-
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("ragcache").setLevel(logging.INFO)
-    loopback = args.host in ("127.0.0.1", "localhost", "::1")
-    if not settings.auth:
-        print(f"ragcache serve: no API keys configured (RAGCACHE_API_KEYS, RAGCACHE_ADMIN_KEY): anyone who can "
-              f"reach {args.host}:{args.port} can use every namespace" + ("" if loopback else
-              " — and this address is not loopback"), file=sys.stderr, flush=True)
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5)
-    return 0
-
-
 def _floats(text: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x]
@@ -117,14 +98,14 @@ def _eval_config(args, settings):
 
 
 def _eval(args, settings) -> int:
-    from .evaluate import evaluate, output_dir, table, write_results
+    from .evaluate import evaluate, latest_dir, output_dir, table, write_results
     from .service import RagCache
 
     out = output_dir(args.out)  # a bad --out fails now, not after the run
     with RagCache(settings) as service:
         results = evaluate(service, _eval_config(args, settings), progress=not args.quiet)
     write_results(results, out)
-    write_results(results, settings.home / "eval" / "latest")  # what a server's dashboard shows
+    write_results(results, latest_dir(settings.home))
     print(f"{results['model']}, {results['dataset']}: n={results['n']}, top-k {results['top_k']} "
           f"({results['retrieval']}), chunks {results['chunk_prefill']}, {results['kv_dtype']} KV in the "
           f"{results['tier']} tier")
@@ -166,7 +147,8 @@ def _positive(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(extend=None) -> argparse.ArgumentParser:
+    """The command line; `extend(subparsers)` adds commands from the layer above (api's `serve`)."""
     p = argparse.ArgumentParser(prog="ragcache", description="RAG serving cache: precomputed chunk KV, blended.")
     p.add_argument("--model", help="bundled 'smollm2' (default) or a local HF checkpoint directory")
     p.add_argument("--device", help="auto | cpu | cuda")
@@ -178,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
 
     b = sub.add_parser("bench", help="benchmarks whose output goes into BENCHMARKS.md")
-    b.add_argument("what", choices=["load", "prefill", "blend", "store", "precompute", "retrieval"])
+    b.add_argument("what", choices=["load", "prefill", "blend", "store", "precompute", "retrieval", "http"])
     b.add_argument("--tokens", type=_positive, default=2048, help="prefill: input length")
     b.add_argument("--repeats", type=_positive, default=5)
     b.add_argument("--dataset", default="demo/data/musique_dev.json", help="blend, precompute: MuSiQue-format file")
@@ -186,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--passages", type=_ints, default=[4, 10], help="blend: passage counts, comma-separated")
     b.add_argument("--chunk-prefill", choices=CHOICES["chunk_prefill"], default="alone")
     b.add_argument("--chunks", type=_positive, default=None, help="precompute: chunks (40); retrieval: index size (10000)")
+    b.add_argument("--seconds", type=_positive, default=60, help="http: how long the load runs")
     b.set_defaults(func=_bench)
 
     i = sub.add_parser("ingest", help="add documents: a .jsonl, a MuSiQue-format .json, or a folder of .txt/.md")
@@ -227,15 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--target-kl", type=float, required=True, help="mean teacher-forced KL(full ‖ mode), nats")
     cal.set_defaults(func=_calibrate)
 
-    sv = sub.add_parser("serve", help="the REST API, OpenAI-compatible chat and the dashboard (uvicorn)")
-    sv.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1: loopback only")
-    sv.add_argument("--port", type=_positive, default=8000)
-    sv.set_defaults(func=_serve)
+    if extend is not None:
+        extend(sub)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, extend=None) -> int:
+    args = build_parser(extend).parse_args(argv)
     from blend.model import ModelError  # imports torch: not for --help
 
     from .config import Settings

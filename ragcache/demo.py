@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .config import Settings
 from .errors import UserError
-from .evaluate import EvalConfig, evaluate, load_dataset, output_dir, table, write_results
+from .evaluate import EvalConfig, evaluate, latest_dir, load_dataset, output_dir, table, write_results
 from .precompute import run_precompute
 from .service import RagCache
 
@@ -28,6 +28,8 @@ def run_demo(settings: Settings, args) -> int:
     with RagCache(settings) as service:
         _run(service, settings, data, questions, out)
     print(f"\ndone in {time.perf_counter() - t_start:.0f} s; results in {out}/ (results.json, results.csv, pareto.png)")
+    print("\nserve it: .venv/bin/ragcache serve --port 8000, then open http://127.0.0.1:8000/ "
+          f"(the dashboard; ask in namespace {NAMESPACE!r})")
     return 0
 
 
@@ -64,6 +66,7 @@ def _run(service: RagCache, settings: Settings, data: Path, questions: list[dict
                      top_k=4, limit=len(questions), max_new_tokens=16)
     results = evaluate(service, cfg)
     write_results(results, out)
+    write_results(results, latest_dir(settings.home))
     print(table(results))
 
 

@@ -236,12 +236,19 @@ def output_dir(path: str | Path) -> Path:
     return out
 
 
+def latest_dir(home: Path) -> Path:
+    """Where every run also leaves its results: what a server's dashboard shows."""
+    return home / "eval" / "latest"
+
+
 def write_results(results: dict, out: Path) -> None:
     """results.json, results.csv, pareto.png into `out`."""
     from .plot import pareto
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    tmp = out / ".results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1))
+    tmp.replace(out / "results.json")  # a reader (the dashboard) never sees half a file
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["mode", *METRICS])

@@ -54,7 +54,6 @@ class Totals:
     """What every request added up to (read by /metrics)."""
 
     tokens: Counter = field(default_factory=Counter)  # recomputed, reused, completion
-    requests: int = 0
 
 
 class Generation:
@@ -122,10 +121,13 @@ class Generation:
                             f"{p.settings.max_tokens_cap} (RAGCACHE_MAX_TOKENS_CAP)")
         try:
             sampling = Sampling(ask.max_new_tokens or p.settings.max_new_tokens, ask.temperature, ask.top_p, ask.seed)
-            head, suffix = conversation(p.tokenizer, p.settings.system_prompt if ask.system is None else ask.system,
-                                        [*ask.history, ("user", ask.query)])
         except ValueError as e:
             raise UserError(str(e)) from None
+        try:
+            head, suffix = conversation(p.tokenizer, p.settings.system_prompt if ask.system is None else ask.system,
+                                        [*ask.history, ("user", ask.query)])
+        except Exception as e:  # noqa: BLE001 — a template's own rule (e.g. roles must alternate), named
+            raise UserError(f"this conversation does not fit the model's chat template: {e}") from None
         t0 = time.perf_counter()
         found = self.corpus.retrieve(ask.query, ask.namespace, ask.top_k)
         if not found:
@@ -166,7 +168,6 @@ class Generation:
         recomputed = int(fused.kv_rows[-1].numel())
         usage = {"prompt_tokens": prompt, "reused_tokens": prompt - recomputed, "recomputed_tokens": recomputed,
                  "completion_tokens": len(stream.ids)}
-        self.totals.requests += 1
         self.totals.tokens.update(recomputed=recomputed, reused=prompt - recomputed, completion=len(stream.ids))
         ms = lambda a, b: round((b - a) * 1000, 2)  # noqa: E731
         out = {

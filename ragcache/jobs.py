@@ -15,6 +15,7 @@ import sys
 import threading
 
 from .errors import Conflict, NotFound
+from .ingest import corpus_counts
 from .meta import Job, utcnow
 from .precompute import join_or_start_job
 
@@ -22,29 +23,31 @@ from .precompute import join_or_start_job
 class Jobs:
     def __init__(self, parts):
         self.p = parts
-        self._children: dict[int, subprocess.Popen] = {}
+        self._children: dict[int, tuple[subprocess.Popen, str | None]] = {}  # job id → (process, namespace)
         self._lock = threading.Lock()
 
     def start(self, namespace: str | None) -> dict:
         """Start (or join the running) precompute job for `namespace` (None: every namespace)."""
         with self._lock:
             self._reap()
-            for job_id in self._children:
-                job = self._row(job_id)
-                if job["namespace"] == namespace:
-                    return job
+            for job_id, (_, ns) in self._children.items():
+                if ns == namespace:
+                    return self._row(job_id)
             if self.p.db.is_sqlite and (self._children or self._lock_held()):
                 raise Conflict("a precompute is already running on this SQLite database; wait for it, or use "
                                "PostgreSQL (RAGCACHE_DATABASE_URL) for several at once")
             job_id = join_or_start_job(self.p.db, namespace)
-            log = open(self.p.settings.home / f"job-{job_id}.log", "ab")
-            cmd = [sys.executable, "-m", "ragcache.cli", "precompute", "--job", str(job_id), "--quiet"]
-            if namespace is not None:
-                cmd += ["--namespace", namespace]
-            self._children[job_id] = subprocess.Popen(cmd, env=self._child_env(), stdout=log, stderr=log,
-                                                      stdin=subprocess.DEVNULL)
-            log.close()
+            self._launch(job_id, namespace)
             return self._row(job_id)
+
+    def _launch(self, job_id: int, namespace: str | None) -> None:
+        log = open(self.p.settings.home / f"job-{job_id}.log", "ab")
+        cmd = [sys.executable, "-m", "ragcache.cli", "precompute", "--job", str(job_id), "--quiet"]
+        if namespace is not None:
+            cmd += ["--namespace", namespace]
+        proc = subprocess.Popen(cmd, env=self._child_env(), stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        self._children[job_id] = (proc, namespace)
+        log.close()
 
     def get(self, job_id: int) -> dict:
         with self._lock:
@@ -65,20 +68,24 @@ class Jobs:
             return len(self._children)
 
     def _reap(self) -> None:
-        """Children that ended (the lock held): a failure is written on the job, with its last line."""
-        for job_id, proc in list(self._children.items()):
+        """Children that ended (the lock held): a failure is written on the job, with its last line; a
+        child that ended while chunks it could claim were still pending (ingested after its last claim)
+        is started again on the same job."""
+        for job_id, (proc, namespace) in list(self._children.items()):
             code = proc.poll()
             if code is None:
                 continue
             del self._children[job_id]
             if code != 0:
-                self._fail(job_id, f"precompute exited with status {code}: {self._last_line(job_id)}")
+                self._end(job_id, "failed", f"precompute exited with status {code}: {self._last_line(job_id)}")
+            elif self._row(job_id)["state"] == "running" and corpus_counts(self.p.db, namespace).get("pending"):
+                self._launch(job_id, namespace)
 
-    def _fail(self, job_id: int, reason: str) -> None:
+    def _end(self, job_id: int, state: str, reason: str) -> None:
         with self.p.db.session() as s:
             job = s.get(Job, job_id)
             if job is not None and job.state == "running":
-                job.state, job.error, job.finished = "failed", reason[:2000], utcnow()
+                job.state, job.error, job.finished = state, reason[:2000], utcnow()
 
     def _last_line(self, job_id: int) -> str:
         try:
@@ -111,15 +118,16 @@ class Jobs:
         return env
 
     def close(self) -> None:
-        """Stop the children (their jobs resume from SQL when started again)."""
+        """Stop the children; their jobs say so, and resume from SQL when started again."""
         with self._lock:
-            for proc in self._children.values():
+            for proc, _ in self._children.values():
                 proc.terminate()
-            for proc in self._children.values():
+            for job_id, (proc, _) in self._children.items():
                 try:
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+                self._end(job_id, "stopped", "the server stopped; POST /v1/jobs/precompute resumes the work")
             self._children.clear()
 
 

@@ -102,7 +102,7 @@ class Job(Base):
     __tablename__ = "jobs"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     namespace: Mapped[str | None] = mapped_column(String(128), nullable=True)
-    state: Mapped[str] = mapped_column(String(16), default="running")  # running/finished/failed
+    state: Mapped[str] = mapped_column(String(16), default="running")  # running/finished/failed/stopped
     total: Mapped[int] = mapped_column(Integer, default=0)
     done: Mapped[int] = mapped_column(Integer, default=0)
     failed: Mapped[int] = mapped_column(Integer, default=0)

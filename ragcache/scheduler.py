@@ -1,7 +1,7 @@
 """The one thread that owns the model: a bounded queue of work, run one item at a time.
 
-    ticket = scheduler.submit(lambda t: service.generate(ask, on_text=lambda d: t.emit("text", d),
-                                                         cancelled=t.cancelled.is_set), on_event)
+    ticket = scheduler.submit(lambda t: generation.generate(ask, on_text=lambda d: t.emit("text", d),
+                                                            cancelled=t.cancelled.is_set), on_event)
 
 `on_event(kind, payload)` is called from the model thread: "text" deltas while the work streams,
 then exactly one of "done" (the result), "error" (the exception) or "cancelled". A ticket
@@ -29,7 +29,6 @@ class Ticket:
     def __init__(self, work: Callable[["Ticket"], Any], on_event: Callable[[str, Any], None]):
         self.work, self.on_event = work, on_event
         self.cancelled = threading.Event()
-        self.enqueued = time.perf_counter()
 
     def emit(self, kind: str, payload: Any) -> None:
         self.on_event(kind, payload)
@@ -47,6 +46,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._seconds_per_item = 1.0  # moving average, for Retry-After
         self._threads = 0
+        self._current: Ticket | None = None
         self._thread = threading.Thread(target=self._loop, name="ragcache-model", daemon=True)
         self._thread.start()
 
@@ -69,21 +69,6 @@ class Scheduler:
         self._queue.put(ticket)
         return ticket
 
-    def call(self, work: Callable[[], Any]) -> Any:
-        """Run `work` on the model thread and wait for its result (short work: warm-up, ingest)."""
-        done, box = threading.Event(), {}
-
-        def on_event(kind, payload):
-            box[kind] = payload
-            if kind in ("done", "error", "cancelled"):
-                done.set()
-
-        self.submit(lambda _t: work(), on_event)
-        done.wait()
-        if "error" in box:
-            raise box["error"]
-        return box.get("done")
-
     def _loop(self) -> None:
         while True:
             ticket = self._queue.get()
@@ -92,23 +77,27 @@ class Scheduler:
             with self._lock:
                 self._waiting -= 1
                 self._running += 1
+                self._current = ticket
             try:
                 self._run(ticket)
+            except Exception:  # noqa: BLE001 — the thread outlives anything one item does, emits included
+                log.exception("the model thread caught an error outside any request")
             finally:
                 with self._lock:
                     self._running -= 1
+                    self._current = None
 
     def _run(self, ticket: Ticket) -> None:
         if ticket.cancelled.is_set():
             ticket.emit("cancelled", None)
             return
-        self._share_cores()
         t0 = time.perf_counter()
         try:
+            self._share_cores()
             result = ticket.work(ticket)
         except UserError as e:
             ticket.emit("error", e)
-        except Exception as e:  # noqa: BLE001 — the thread must outlive any one request
+        except Exception as e:  # noqa: BLE001 — one request's bug is its own
             log.exception("request failed")
             ticket.emit("error", e)
         else:
@@ -122,5 +111,18 @@ class Scheduler:
             self._threads = n
 
     def close(self) -> None:
+        """Cancel what runs and what waits (each gets its "cancelled" or ends at its next token), then stop."""
+        with self._lock:
+            if self._current is not None:
+                self._current.cancel()
+        while True:
+            try:
+                ticket = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if ticket is not None:
+                with self._lock:
+                    self._waiting -= 1
+                ticket.emit("cancelled", None)
         self._queue.put(None)
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=60)

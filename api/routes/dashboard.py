@@ -8,6 +8,8 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse
 
+from ragcache.evaluate import latest_dir
+
 from ..auth import Caller, caller
 from ..deps import service
 from ..errors import ApiError
@@ -28,7 +30,7 @@ def recent(request: Request, limit: int = Query(50, ge=1, le=500), who: Caller =
 
 
 def _latest(request: Request) -> Path:
-    return service(request).settings.home / "eval" / "latest"
+    return latest_dir(service(request).settings.home)
 
 
 @router.get("/v1/eval/latest")

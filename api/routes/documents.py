@@ -9,6 +9,7 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ragcache.chunking import Document
+from ragcache.errors import Conflict
 
 from ..auth import Caller, caller
 from ..deps import on_model_thread, service
@@ -70,10 +71,16 @@ async def add_documents(request: Request, namespace: str = Query("default", min_
     docs = _parse(await request.body(), request.headers.get("content-type", "application/json"))
     svc = service(request)
     report = await on_model_thread(request, lambda: svc.corpus.ingest_documents(docs, namespace))
-    job = await run_in_threadpool(svc.jobs.start, namespace) if precompute and report.chunks_added else None
+    job, job_error = None, None
+    if precompute and report.chunks_added:
+        try:
+            job = await run_in_threadpool(svc.jobs.start, namespace)
+        except Conflict as e:  # the documents are in; only their precompute has to wait
+            job_error = str(e)
     return {"namespace": namespace,
             "documents": {"added": report.added, "unchanged": report.unchanged, "replaced": report.replaced},
-            "chunks": {"added": report.chunks_added, "removed": report.chunks_removed}, "job": job}
+            "chunks": {"added": report.chunks_added, "removed": report.chunks_removed}, "job": job,
+            "job_error": job_error}
 
 
 @router.get("/v1/documents/{doc_id:path}")

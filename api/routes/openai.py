@@ -12,7 +12,6 @@ import uuid
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
 
 from ragcache.generation import Ask
 
@@ -20,7 +19,7 @@ from ..auth import Caller, caller
 from ..deps import record, service, start_generation
 from ..errors import ApiError, body, from_exception
 from ..schemas import ChatRequest
-from ..streaming import SSE_HEADERS, sse
+from ..streaming import sse, sse_response
 
 router = APIRouter(tags=["openai"])
 
@@ -106,4 +105,4 @@ async def chat(req: ChatRequest, request: Request, who: Caller = Depends(caller)
                 yield sse(body(err.status, err.message))
         yield sse("[DONE]")
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return sse_response(stream, events())

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
 
 from ragcache.generation import Ask
 
@@ -10,7 +9,7 @@ from ..auth import Caller, caller
 from ..deps import record, start_generation
 from ..errors import body, from_exception
 from ..schemas import GenerateRequest, GenerateResponse
-from ..streaming import SSE_HEADERS, sse
+from ..streaming import sse, sse_response
 
 router = APIRouter(tags=["rag"])
 
@@ -41,4 +40,4 @@ async def generate(req: GenerateRequest, request: Request, who: Caller = Depends
                 err = from_exception(payload)
                 yield sse(body(err.status, err.message), "error")
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return sse_response(stream, events())

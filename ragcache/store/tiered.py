@@ -87,28 +87,34 @@ class TieredStore:
         try:
             if not deferred:
                 self._persist(key, entry)
-            self._admit(key, entry)
-            if deferred and not any(t.contains(key) for t in self.memory):
-                self._persist(key, entry)  # no memory tier took it: write back now or lose it
-        except (StoreFull, StoreError) as e:
+        except Exception as e:  # noqa: BLE001 — best effort: any fault of any tier, the entry still serves
             if not best_effort:
                 raise
-            log.debug("not stored durably: %s", e)
+            self._admit(key, entry)
+            log.debug("%s not stored durably: %s", key, e)
             return False
+        self._admit(key, entry)
+        if deferred and not any(t.contains(key) for t in self.memory):
+            self._persist(key, entry)  # no memory tier took it: write back now or lose it
         return True
 
     def _persist(self, key: str, entry: StoredKV) -> None:
         """Blob into every blob tier that works (durable first), then the row: a row never lacks its blob."""
         blob = to_bytes(entry)
         csum = checksum(blob)
-        stored = []
+        stored, full = [], None
         for tier in self.blobs:
-            self._make_room(tier, len(blob), key)
+            try:
+                self._make_room(tier, len(blob), key)
+            except StoreFull as e:  # this tier is full of pinned entries; the others may take it
+                full = e
+                continue
             if self._io(tier, tier.put, key, blob) is not _FAILED:
                 self._touch(tier, key, entry)
                 stored.append(tier)
         if not stored:
-            raise StoreError(f"no blob tier could store {key} ({', '.join(t.name for t in self.blobs)} failing)")
+            raise full or StoreError(f"no blob tier could store {key} ({', '.join(t.name for t in self.blobs)} "
+                                     "failing)")
         with self.db.session() as s:
             row = s.get(KVEntry, key)
             if row is None:
@@ -153,8 +159,8 @@ class TieredStore:
             return False
         with self._lock:
             self._make_room(tier, entry.nbytes, key)
-            if tier.used_bytes() + entry.nbytes > tier.capacity_bytes() and key not in self._pinned:
-                return False
+            if tier.used_bytes() + entry.nbytes > tier.capacity_bytes():
+                return False  # pinned or not: pins never push a memory tier past its capacity
             tier.put(key, entry)
             self._touch(tier, key, entry)
             return True
@@ -174,10 +180,20 @@ class TieredStore:
                     if tier.holds_blobs and incoming_key not in self._pinned:
                         raise StoreFull(f"{tier.name} tier is full of pinned entries")
                     return
-                value = None if tier.holds_blobs else tier.get(victim)  # a blob is not read to be dropped
-                self._forget(tier, victim)
-                self.evictions[tier.name] += 1
-            self._demoted(tier, victim, value)
+                self._policy[tier.name].remove(victim)  # no other thread picks it now
+            self._evict(tier, victim)
+
+    def _evict(self, tier, key: str) -> None:
+        """`key` out of `tier` (bookkeeping under the lock, blob I/O outside it), then demoted."""
+        with self._lock:
+            value = None if tier.holds_blobs else tier.get(key)  # a blob is not read to be dropped
+            self._policy[tier.name].remove(key)
+            if not tier.holds_blobs:
+                tier.delete(key)
+            self.evictions[tier.name] += 1
+        if tier.holds_blobs:
+            self._io(tier, tier.delete, key)
+        self._demoted(tier, key, value)
 
     def _demoted(self, tier, key: str, value) -> None:
         """After `key` left `tier`: keep it one level down, or record that it is gone from there."""
@@ -292,23 +308,25 @@ class TieredStore:
 
     def delete(self, key: str) -> None:
         with self._lock:
-            for tier in self.tiers:
-                self._forget(tier, key)
             self._pinned.discard(key)
             self._dirty.discard(key)
+        for tier in self.tiers:
+            self._forget(tier, key)
         with self.db.session() as s:
             s.execute(delete(KVEntry).where(KVEntry.key == key))
 
     def recover(self, orphan_grace_s: float = 60.0) -> dict[str, int]:
         """At start: rows whose blob is gone are repaired, blobs without a row are removed."""
         fixed = Counter()
-        reachable = [t for t in self.blobs if self._io(t, t.keys) is not _FAILED]  # judge only tiers we can see
+        listed = {t.name: self._io(t, t.keys) for t in self.blobs}  # one listing a tier, not one call a row
+        reachable = [t for t in self.blobs if listed[t.name] is not _FAILED]  # judge only tiers we can see
+        held = {t.name: set(listed[t.name]) for t in reachable}
         with self.db.session() as s:
             rows = list(s.scalars(select(KVEntry)))
             for row in rows:
                 for tier in reachable:
                     flag = _FLAG[tier.name]
-                    if getattr(row, flag) and not tier.contains(row.key):
+                    if getattr(row, flag) and row.key not in held[tier.name]:
                         setattr(row, flag, False)
                         fixed["missing_blob"] += 1
                 if row.pinned:
@@ -320,7 +338,7 @@ class TieredStore:
         for tier in reachable:
             if hasattr(tier, "sweep"):
                 fixed["orphan_blob"] += tier.sweep(set(known), orphan_grace_s)
-            for key in tier.keys():
+            for key in listed[tier.name]:  # in the tier's own order: ties rank as they did
                 if key in known:  # ranked as a put ranks it: size and recompute cost
                     self._policy[tier.name].touch(key, *known[key])
         return dict(fixed)
@@ -358,13 +376,12 @@ class TieredStore:
         tier = next((t for t in self.tiers if t.name == name), None)
         if tier is None:
             raise KeyError(name)
+        keys = self._io(tier, tier.keys) if tier.holds_blobs else tier.keys()
+        if keys is _FAILED:
+            raise StoreError(f"the {name} tier cannot be reached")
         n = 0
-        for key in [k for k in tier.keys() if k not in self._pinned]:
-            with self._lock:
-                value = None if tier.holds_blobs else tier.get(key)
-                self._forget(tier, key)
-                self.evictions[tier.name] += 1
-            self._demoted(tier, key, value)
+        for key in [k for k in keys if k not in self._pinned]:
+            self._evict(tier, key)
             n += 1
         return n
 
@@ -375,13 +392,17 @@ class TieredStore:
     def stats(self) -> dict:
         self._write_hits()
         return {
-            "tiers": [{"name": t.name, "entries": len(t.keys()),
+            "tiers": [{"name": t.name, "entries": self._entries(t),
                        "used_bytes": t.used_bytes(), "capacity_bytes": t.capacity_bytes(), "hits": self.hits[t.name],
                        "misses": self.misses[t.name], "evictions": self.evictions[t.name],
                        "corrupt": self.corrupt[t.name], "errors": self.errors[t.name]} for t in self.tiers],
             "corrupt_dropped": sum(self.corrupt.values()),
             "pinned": len(self._pinned),
         }
+
+    def _entries(self, tier) -> int:
+        keys = self._io(tier, tier.keys) if tier.holds_blobs else tier.keys()
+        return 0 if keys is _FAILED else len(keys)
 
     def close(self) -> None:
         self.flush()

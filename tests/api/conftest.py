@@ -68,7 +68,7 @@ def start_server(home: Path, smollm, **extra) -> Server:
     port = free_port()
     env = server_env(home, smollm, **extra)
     log = open(home.parent / f"serve-{port}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "ragcache.cli", "serve", "--port", str(port)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--port", str(port)], env=env,
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240

@@ -314,3 +314,56 @@ def test_blob_bytes_round_trip_and_garbage_is_corrupt():
     assert torch.equal(back.k, entry.k) and torch.equal(back.k_scale, entry.k_scale) and back.kv_dtype == "int8"
     with pytest.raises(CorruptBlob):
         from_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{nope")
+
+
+def _dead_redis_url() -> str:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: connection refused, at once
+        s.bind(("127.0.0.1", 0))
+        return f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+
+
+def test_a_dead_redis_tier_is_counted_and_served_around(db, tmp_path):
+    memory = [MemoryTier("cpu", "cpu", 0)]
+    blobs = [DiskTier(tmp_path / "kv", 1 << 30), RedisTier(_dead_redis_url(), 1 << 30, prefix="x:")]
+    store = TieredStore(db, memory, blobs, retry_s=0.0)  # starts: the dead tier is not judged, not fatal
+    assert store.put("k", encode(fake_chunk(7), "float32"), best_effort=True)  # landed on disk
+    hit = store.get("k")
+    assert hit is not None and hit.tier == "disk"
+    assert store.errors["redis"] >= 1 and store.health() == {"cpu": True, "disk": True, "redis": False}
+    with db.session() as s:
+        row = s.get(KVEntry, "k")
+        assert row.on_disk and not row.in_redis
+    assert store.stats()["tiers"][2]["errors"] == store.errors["redis"]
+
+
+def test_recover_does_not_judge_an_unreachable_tier(db, tmp_path, redis_prefix):
+    make_store(db, tmp_path, redis_prefix=redis_prefix).put("k", encode(fake_chunk(8), "float32"))
+    blobs = [DiskTier(tmp_path / "kv", 1 << 30), RedisTier(_dead_redis_url(), 1 << 30, prefix=redis_prefix)]
+    TieredStore(db, [MemoryTier("cpu", "cpu", 1 << 30)], blobs)
+    with db.session() as s:
+        assert s.get(KVEntry, "k").in_redis  # the blob may well be there: this process cannot see it
+
+
+def test_without_a_working_blob_tier_a_durable_put_fails_loudly(db, tmp_path):
+    from ragcache.store.tiered import StoreError
+
+    store = TieredStore(db, [MemoryTier("cpu", "cpu", 1 << 30)], [RedisTier(_dead_redis_url(), 1 << 30)])
+    with pytest.raises(StoreError):
+        store.put("k", encode(fake_chunk(9), "float32"), durable=True)
+    assert not store.put("k", encode(fake_chunk(9), "float32"), best_effort=True)
+    assert store.get("k").tier == "cpu"  # still served from memory this time
+
+
+def test_pins_lookups_and_tier_eviction(db, tmp_path):
+    store = make_store(db, tmp_path)
+    for i in range(3):
+        store.put(f"k{i}", encode(fake_chunk(i), "float32"))
+    store.set_pinned("k0", True)
+    assert store.where("k0") == ["cpu", "disk"] and store.is_pinned("k0")
+    assert not store.evict("k0") and store.evict("k1") and store.where("k1") == []
+    assert store.evict_tier("cpu") == 1  # k2; the pinned k0 stays
+    assert store.where("k2") == ["disk"] and store.where("k0") == ["cpu", "disk"]
+    with db.session() as s:
+        assert s.get(KVEntry, "k0").pinned

@@ -1,0 +1,99 @@
+"""Serving pieces without a server: streamed text, chat prompts, the model thread's queue."""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from blend.prompt import QUESTION, chat_frame, conversation, encode
+from ragcache.config import Settings
+from ragcache.errors import Busy
+from ragcache.scheduler import Scheduler
+from ragcache.textstream import TextStream
+
+
+@pytest.mark.parametrize("text", ["  Exeter College, Oxford.  ", "Zürich — 東京 café 🙂 done", "a\n\n b  c ", " "])
+def test_streamed_deltas_add_up_to_the_stripped_answer(smollm, text):
+    tok = smollm.tokenizer
+    ids = encode(tok, text)
+    stream, deltas = TextStream(tok), []
+    for i in ids:
+        deltas.append(stream.push(i))
+        assert "\ufffd" not in "".join(deltas)  # never half a character
+    deltas.append(stream.finish())
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True).strip() == stream.sent
+
+
+def test_one_turn_conversation_is_the_plain_prompt(smollm):
+    tok, system = smollm.tokenizer, "Answer briefly."
+    frame = chat_frame(tok, system)
+    head, suffix = conversation(tok, system, [("user", "Where is it?")])
+    assert head == frame.head and suffix == encode(tok, QUESTION + "Where is it?") + frame.tail
+
+
+def test_earlier_turns_follow_the_passages_and_a_system_prompt_makes_its_own_head(smollm):
+    tok = smollm.tokenizer
+    head, suffix = conversation(tok, "Be terse.", [("user", "Who wrote it?"), ("assistant", "Nabbes."),
+                                                  ("user", "Where was he educated?")])
+    text = tok.decode(suffix)
+    assert text.startswith(QUESTION + "Who wrote it?") and text.index("Nabbes.") < text.index("Where was he")
+    assert "Be terse." in tok.decode(head) and head != chat_frame(tok, "Other.").head
+    with pytest.raises(ValueError):
+        conversation(tok, "x", [("user", "q"), ("assistant", "a")])
+
+
+def _scheduler(max_queue: int) -> Scheduler:
+    service = SimpleNamespace(settings=Settings(threads=1), jobs=SimpleNamespace(running=lambda: 0))
+    return Scheduler(service, max_queue)
+
+
+def _call(sched: Scheduler, work):
+    """Submit and wait: (kind, payload) of the end event."""
+    done, box = threading.Event(), []
+    sched.submit(lambda _t: work(), lambda kind, payload: (box.append((kind, payload)), done.set()))
+    assert done.wait(30)
+    return box[-1]
+
+
+def test_a_full_queue_says_busy_and_a_cancelled_waiter_never_runs():
+    sched = _scheduler(max_queue=1)
+    release, started, ran, events = threading.Event(), threading.Event(), [], []
+
+    def blocking(_t):
+        started.set()
+        release.wait(10)
+        return "first"
+
+    sched.submit(blocking, lambda k, p: events.append((k, p)))
+    started.wait(10)
+    waiting = sched.submit(lambda _t: ran.append(1), lambda k, p: events.append((k, p)))
+    with pytest.raises(Busy) as busy:
+        sched.submit(lambda _t: None, lambda k, p: None)
+    assert busy.value.retry_after >= 1 and sched.waiting == 1 and sched.running == 1
+    waiting.cancel()
+    release.set()
+    while sched.waiting:  # the cancelled one leaves the queue without running
+        time.sleep(0.01)
+    assert _call(sched, lambda: "after") == ("done", "after")
+    assert ran == [] and ("done", "first") in events and ("cancelled", None) in events
+    sched.close()
+
+
+def test_errors_reach_the_caller_and_the_thread_lives_on():
+    sched = _scheduler(max_queue=4)
+    kind, error = _call(sched, lambda: 1 / 0)
+    assert kind == "error" and isinstance(error, ZeroDivisionError)
+    assert _call(sched, lambda: 42) == ("done", 42)
+    sched.close()
+
+
+def test_close_cancels_what_waits():
+    sched = _scheduler(max_queue=4)
+    started, events = threading.Event(), []
+    sched.submit(lambda t: started.set() or t.cancelled.wait(30), lambda k, p: events.append((k, p)))
+    sched.submit(lambda _t: "never", lambda k, p: events.append((k, p)))
+    started.wait(10)
+    sched.close()  # the running one sees its cancel at once, the waiting one never starts
+    assert sorted(events) == [("cancelled", None), ("done", True)]
