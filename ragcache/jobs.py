@@ -17,7 +17,7 @@ import threading
 from .errors import Conflict, NotFound
 from .ingest import corpus_counts
 from .meta import Job, utcnow
-from .precompute import join_or_start_job
+from .job_rows import LOCK_FILE, join_or_start_job
 
 
 class Jobs:
@@ -96,7 +96,7 @@ class Jobs:
 
     def _lock_held(self) -> bool:
         """Another process holds SQLite's one-precompute lock (the CLI, say)."""
-        path = self.p.settings.home / "precompute.lock"
+        path = self.p.settings.home / LOCK_FILE
         if not path.exists():
             return False
         with open(path, "a+") as f:

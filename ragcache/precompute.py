@@ -22,11 +22,12 @@ from datetime import timedelta
 
 import numpy as np
 import torch
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import or_, select, update
 
 from .config import Settings
 from .errors import UserError
 from .ingest import unpack_ids
+from .job_rows import LOCK_FILE, count_chunks, finish_job_if_empty, join_or_start_job
 from .meta import Chunk, Database, Job, bump_index_versions, utcnow
 
 
@@ -53,9 +54,9 @@ def run_precompute(settings: Settings, workers: int = 1, namespace: str | None =
         lock = _single_writer_lock(settings, db, workers)
         invocation = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         _release_dead_claims(db, db.is_sqlite)
-        skipped = _count(db, namespace, "done")
+        skipped = count_chunks(db, namespace, "done")
         job_id = job_id if job_id is not None else join_or_start_job(db, namespace)
-        pending = _count(db, namespace, "pending")
+        pending = count_chunks(db, namespace, "pending")
         bar = _bar(pending, progress)
         if workers == 1:
             _work(service, job_id, namespace, f"{invocation}:0", on_batch=lambda n: bar.update(n) if bar else None)
@@ -69,7 +70,7 @@ def run_precompute(settings: Settings, workers: int = 1, namespace: str | None =
             seen = 0
             while any(p.is_alive() for p in procs):
                 time.sleep(0.5)
-                now = _count(db, namespace, "done", by=invocation) + _count(db, namespace, "failed", by=invocation)
+                now = sum(count_chunks(db, namespace, state, by=invocation) for state in ("done", "failed"))
                 if bar:
                     bar.update(now - seen)
                 seen = now
@@ -77,9 +78,10 @@ def run_precompute(settings: Settings, workers: int = 1, namespace: str | None =
                 p.join()
         if bar:
             bar.close()
-        summary = Summary(_count(db, namespace, "done", by=invocation), _count(db, namespace, "failed", by=invocation),
+        summary = Summary(count_chunks(db, namespace, "done", by=invocation),
+                          count_chunks(db, namespace, "failed", by=invocation),
                           skipped)
-        _finish_job_if_empty(db, job_id, namespace)
+        finish_job_if_empty(db, job_id, namespace)
         for ns in _namespaces(db, namespace):
             service.sync_index(ns)
         return summary
@@ -209,7 +211,7 @@ def _single_writer_lock(settings: Settings, db: Database, workers: int):
     if workers > 1:
         raise UserError("SQLite allows one precompute worker at a time: use --workers 1, or PostgreSQL "
                         "(RAGCACHE_DATABASE_URL=postgresql+psycopg://…) for several")
-    path = settings.home / "precompute.lock"
+    path = settings.home / LOCK_FILE
     f = open(path, "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -224,45 +226,6 @@ def _single_writer_lock(settings: Settings, db: Database, workers: int):
     f.write(f"pid {os.getpid()}")
     f.flush()
     return f
-
-
-def join_or_start_job(db: Database, namespace: str | None) -> int:
-    """The running job of `namespace`, or a new one (counting what is already done as skipped)."""
-    with db.session() as s:
-        job = s.scalars(select(Job).where(Job.state == "running", Job.namespace.is_(None) if namespace is None
-                                          else Job.namespace == namespace).order_by(Job.id.desc())).first()
-        if job is None:
-            job = Job(namespace=namespace, state="running", skipped=_count_in(s, namespace, "done"))
-            s.add(job)
-            s.flush()
-        job.total = _count_in(s, namespace, None)
-        return job.id
-
-
-def _finish_job_if_empty(db: Database, job_id: int, namespace: str | None) -> None:
-    if _count(db, namespace, "pending") or _count(db, namespace, "running"):
-        return
-    with db.session() as s:
-        job = s.get(Job, job_id)
-        if job is not None and job.state == "running":
-            job.state, job.finished = "finished", utcnow()
-            job.seconds = (job.finished - job.started.replace(tzinfo=job.finished.tzinfo)).total_seconds()
-
-
-def _count(db: Database, namespace: str | None, state: str, by: str | None = None) -> int:
-    with db.session() as s:
-        return _count_in(s, namespace, state, by)
-
-
-def _count_in(s, namespace: str | None, state: str | None, by: str | None = None) -> int:
-    q = select(func.count()).select_from(Chunk)
-    if state is not None:
-        q = q.where(Chunk.state == state)
-    if namespace is not None:
-        q = q.where(Chunk.namespace == namespace)
-    if by is not None:
-        q = q.where(Chunk.claimed_by.like(f"{by}:%"))
-    return int(s.scalar(q))
 
 
 def _namespaces(db: Database, namespace: str | None) -> list[str]:

@@ -10,7 +10,8 @@ from sqlalchemy import select
 from ..config import Settings
 from ..ingest import unpack_ids
 from ..meta import Chunk
-from ..precompute import join_or_start_job, _work
+from ..job_rows import join_or_start_job
+from ..precompute import _work
 from ..service import RagCache
 from .timing import table
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,11 +23,12 @@ from sqlalchemy import delete, select
 
 from ..meta import Database, KVEntry, utcnow
 from .codec import CorruptBlob, StoredKV, checksum, from_bytes, to_bytes
+from .faults import FAILED as _FAILED
+from .faults import TierGuard
 from .policy import make_policy
 from .tier import Tier
 
 _FLAG = {"disk": "on_disk", "redis": "in_redis"}
-_FAILED = object()
 log = logging.getLogger("ragcache.store")
 
 
@@ -63,9 +63,8 @@ class TieredStore:
         self.misses: Counter[str] = Counter()
         self.evictions: Counter[str] = Counter()
         self.corrupt: Counter[str] = Counter()
-        self.errors: Counter[str] = Counter()  # blob-tier faults (a call that raised)
-        self.retry_s = retry_s
-        self._down_until: dict[str, float] = {}  # tier → monotonic time before which it is skipped
+        self.guard = TierGuard(retry_s)
+        self._io = self.guard.call
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-load")
         self.recover(orphan_grace_s)
 
@@ -126,27 +125,6 @@ class TieredStore:
             row.pinned = row.pinned or key in self._pinned
         with self._lock:
             self._dirty.discard(key)
-
-    def _io(self, tier, fn, *args):
-        """One call into a blob tier; a fault is counted, logged once, and the tier rests `retry_s`."""
-        if time.monotonic() < self._down_until.get(tier.name, 0.0):
-            return _FAILED
-        try:
-            out = fn(*args)
-        except Exception as e:  # noqa: BLE001 — any fault of a cache tier: the request goes on without it
-            with self._lock:
-                self.errors[tier.name] += 1
-                first = tier.name not in self._down_until
-                self._down_until[tier.name] = time.monotonic() + self.retry_s
-            if first:
-                log.warning("%s tier failing (%s: %s): serving without it, retrying every %gs", tier.name,
-                            type(e).__name__, e, self.retry_s)
-            return _FAILED
-        if tier.name in self._down_until:
-            with self._lock:
-                self._down_until.pop(tier.name, None)
-            log.warning("%s tier is back", tier.name)
-        return out
 
     def _admit(self, key: str, entry: StoredKV, below: int | None = None) -> None:
         """Insert into the memory tiers above index `below` (all of them by default)."""
@@ -395,7 +373,7 @@ class TieredStore:
             "tiers": [{"name": t.name, "entries": self._entries(t),
                        "used_bytes": t.used_bytes(), "capacity_bytes": t.capacity_bytes(), "hits": self.hits[t.name],
                        "misses": self.misses[t.name], "evictions": self.evictions[t.name],
-                       "corrupt": self.corrupt[t.name], "errors": self.errors[t.name]} for t in self.tiers],
+                       "corrupt": self.corrupt[t.name], "errors": self.guard.errors[t.name]} for t in self.tiers],
             "corrupt_dropped": sum(self.corrupt.values()),
             "pinned": len(self._pinned),
         }

@@ -75,7 +75,7 @@ def test_redis_configured_but_stopped_still_answers(fresh_server, tmp_path):
 
 def test_full_queue_is_429_and_large_body_413(fresh_server):
     s = fresh_server(RAGCACHE_MAX_QUEUE=1, RAGCACHE_MAX_BODY_BYTES=4096)
-    slow = _ask(s, max_tokens=300, ignore_eos=True)
+    slow = _ask(s, max_tokens=100, ignore_eos=True)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         codes = list(pool.map(lambda _: httpx.post(f"{s.url}/v1/rag/generate", json=slow, timeout=300), range(4)))
     statuses = sorted(r.status_code for r in codes)

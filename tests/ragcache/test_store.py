@@ -331,11 +331,11 @@ def test_a_dead_redis_tier_is_counted_and_served_around(db, tmp_path):
     assert store.put("k", encode(fake_chunk(7), "float32"), best_effort=True)  # landed on disk
     hit = store.get("k")
     assert hit is not None and hit.tier == "disk"
-    assert store.errors["redis"] >= 1 and store.health() == {"cpu": True, "disk": True, "redis": False}
+    assert store.guard.errors["redis"] >= 1 and store.health() == {"cpu": True, "disk": True, "redis": False}
     with db.session() as s:
         row = s.get(KVEntry, "k")
         assert row.on_disk and not row.in_redis
-    assert store.stats()["tiers"][2]["errors"] == store.errors["redis"]
+    assert store.stats()["tiers"][2]["errors"] == store.guard.errors["redis"]
 
 
 def test_recover_does_not_judge_an_unreachable_tier(db, tmp_path, redis_prefix):
