@@ -42,6 +42,7 @@ class ChunkKV:
     v: torch.Tensor | None  # (L, Hkv, n, hd)
     start: int  # 0 when computed alone, P when behind a P-token prefix
     context: str  # ALONE, or the key of the prefix it was computed behind
+    lossless: bool = True  # False: k/v went through a lossy store format (int8, a narrower float)
 
     def __len__(self) -> int:
         return self.token_ids.shape[0]
@@ -50,8 +51,9 @@ class ChunkKV:
         """True when this KV is what a full prefill would compute here: same place, same context.
 
         `before` is the key of the prefix the chunk would follow (ALONE when nothing precedes it).
+        Exact means exact bits: KV that went through a lossy format never is.
         """
-        return offset == self.start and before == self.context
+        return self.lossless and offset == self.start and before == self.context
 
 
 def tokens_only(token_ids: torch.Tensor) -> ChunkKV:

@@ -107,6 +107,9 @@ def check_architecture(config, where: str) -> None:
         raise ModelError(
             f"{where}: architecture {config.model_type!r} is not supported; use one of {', '.join(SUPPORTED_TYPES)}"
         )
+    if getattr(config, "mlp_bias", False) or (config.model_type != "qwen2" and getattr(config, "attention_bias", False)):
+        raise ModelError(f"{where}: attention_bias / mlp_bias weights are not supported by this runner (qwen2's "
+                         "q/k/v biases are)")
     rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope_type in ("dynamic", "longrope"):
         raise ModelError(f"{where}: RoPE type {rope_type!r} depends on sequence length and cannot be re-aligned")

@@ -25,6 +25,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 from .errors import UserError
 
 SCHEMA_VERSION = 2
+_SCHEMA_LOCK = 0x7261676361636865  # PostgreSQL advisory lock key ("ragcache") for schema changes
 _MIGRATIONS: dict[int, list[str]] = {  # version → DDL statements that bring version-1 up to it
     2: ["ALTER TABLE jobs ADD COLUMN error TEXT"],  # (index_versions is a new table: create_all makes it)
 }
@@ -153,16 +154,19 @@ class Database:
             raise UserError(f"cannot open the database at {self.engine.url!r}: {e.orig}", usage=False) from None
 
     def _create_schema(self) -> None:
-        Base.metadata.create_all(self.engine)
+        """Create or upgrade the schema in one transaction; on PostgreSQL under an advisory lock, so
+        processes starting together on a fresh database take turns instead of racing on the DDL."""
         with self.session() as s:
+            if not self.is_sqlite:
+                s.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _SCHEMA_LOCK})
+            Base.metadata.create_all(s.connection())
             info = s.get(SchemaInfo, 1)
             if info is None:
-                try:
-                    with s.begin_nested():
-                        s.add(SchemaInfo(id=1, version=SCHEMA_VERSION))
-                except IntegrityError:  # another process created it first
-                    pass
+                s.add(SchemaInfo(id=1, version=SCHEMA_VERSION))
                 return
+            if info.version > SCHEMA_VERSION:
+                raise UserError(f"the database has schema version {info.version}, newer than this ragcache "
+                                f"(version {SCHEMA_VERSION}): upgrade ragcache to use it", usage=False)
             for version in range(info.version + 1, SCHEMA_VERSION + 1):
                 for ddl in _MIGRATIONS.get(version, []):
                     s.execute(text(ddl))

@@ -80,7 +80,8 @@ def encode(chunk: ChunkKV, kv_dtype: str) -> StoredKV:
 
 
 def decode(entry: StoredKV, dtype: torch.dtype, device: torch.device) -> ChunkKV:
-    """Back to the runner's dtype and device (int8 dequantized by a kernel on CUDA)."""
+    """Back to the runner's dtype and device (int8 dequantized by a kernel on CUDA); `lossless` only when
+    the stored tensors were already in that dtype."""
     def restore(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         x = x.to(device, non_blocking=True)
         if scale is None:
@@ -88,8 +89,9 @@ def decode(entry: StoredKV, dtype: torch.dtype, device: torch.device) -> ChunkKV
         flat = kernels.dequantize_int8(x.flatten(0, 1).contiguous(), scale.to(device).flatten(0, 1).contiguous(), dtype)
         return flat.view(x.shape)
 
+    lossless = entry.k_scale is None and entry.k.dtype == dtype
     return ChunkKV(entry.token_ids.cpu(), restore(entry.k, entry.k_scale), restore(entry.v, entry.v_scale),
-                   entry.start, entry.context)
+                   entry.start, entry.context, lossless)
 
 
 _CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8", torch.int64: "I64"}

@@ -150,3 +150,21 @@ def test_full_needs_no_chunk_kv_and_other_policies_refuse_tokens_only(smol_runne
     assert (res.logits - reference[0]).abs().max() <= TOL
     with pytest.raises(ValueError, match="reads chunk KV"):
         fuse_and_prefill(smol_runner, prefix, bare, suffix, Reuse())
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "bfloat16"])
+def test_a_lossy_first_chunk_is_never_taken_as_exact(smol_runner, parts, kv_dtype):
+    """Behind the prefix at its own offset, a chunk stored lossily is recomputed by prefix and
+    cacheblend@1.0, which then still reproduce full prefill."""
+    from ragcache.store import decode as decode_kv
+    from ragcache.store import encode as encode_kv
+
+    prefix, texts, suffix = parts
+    exact = [compute_chunk(smol_runner, t, prefix) for t in texts]
+    stored = [decode_kv(encode_kv(c, kv_dtype), torch.float32, smol_runner.device) for c in exact]
+    assert not stored[0].is_exact_at(len(prefix), prefix.key) and exact[0].is_exact_at(len(prefix), prefix.key)
+    ids = torch.cat([prefix.token_ids, *texts, suffix])
+    full = smol_runner.prefill(ids).logits
+    for policy in (Prefix(), CacheBlend(ratio=1.0)):
+        out = fuse_and_prefill(smol_runner, prefix, stored, suffix, policy)
+        assert (out.logits - full).abs().max() < TOL, policy

@@ -54,3 +54,11 @@ def test_unsupported_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))
     with pytest.raises(ModelError, match="not supported"):
         load_model(str(tmp_path), tmp_path)
+
+
+@pytest.mark.parametrize("shape, flag", [("llama3", "mlp_bias"), ("llama3", "attention_bias"), ("mistral", "mlp_bias")])
+def test_bias_weights_the_runner_would_ignore_are_refused(shape, flag):
+    hf = tiny_hf_model(shape)
+    setattr(hf.config, flag, True)  # the weights would be there; the runner has no place for them
+    with pytest.raises(ModelError, match="attention_bias / mlp_bias"):
+        Model.from_hf(hf, name=shape)

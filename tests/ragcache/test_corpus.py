@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from ragcache.chunking import SEPARATOR, Document, chunk_document, read_documents
 from ragcache.errors import UserError
 from ragcache.ingest import ingest_documents
-from ragcache.meta import Chunk
+from ragcache.meta import SCHEMA_VERSION, Chunk, Database, SchemaInfo
+
+from .conftest import pg_database
 
 LONG = " ".join(f"word{i} is followed by another, rather unremarkable, sentence." for i in range(120))
 
@@ -73,3 +76,35 @@ def test_reingest_is_idempotent_and_a_changed_document_is_replaced(db, smollm):
         assert texts == ["Short text about Rome."]
     other_ns = ingest_documents(db, tok, "fp", docs, "ns2", 64)
     assert other_ns.added == 2  # namespaces never share documents
+
+
+def test_processes_starting_together_on_a_fresh_postgresql_take_turns():
+    url, drop = pg_database()
+    barrier, errors = threading.Barrier(6), []
+
+    def start():
+        barrier.wait()
+        try:
+            Database(url).dispose()
+        except Exception as e:  # noqa: BLE001 — what the test looks for
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=start) for _ in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+    finally:
+        drop()
+
+
+def test_a_database_newer_than_the_code_is_refused_by_name(tmp_path):
+    url = f"sqlite:///{tmp_path / 'meta.db'}"
+    db = Database(url)
+    with db.session() as s:
+        s.execute(update(SchemaInfo).values(version=SCHEMA_VERSION + 1))
+    db.dispose()
+    with pytest.raises(UserError, match="newer than this ragcache"):
+        Database(url)
