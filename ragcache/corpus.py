@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from sqlalchemy import delete, select
 
 from .chunking import Document, read_documents
@@ -44,7 +45,8 @@ class Corpus:
         if not docs:
             raise UserError("no documents given")
         p = self.p
-        report = ingest_documents(p.db, p.tokenizer, p.model.fingerprint, docs, namespace, p.settings.chunk_tokens)
+        report = ingest_documents(p.db, p.tokenizer, p.model.fingerprint, docs, namespace, p.settings.chunk_tokens,
+                                  key_of=lambda ids: p.kv_key_of(torch.tensor(ids), namespace))
         if report.removed_chunk_ids:
             p.index.remove(namespace, np.asarray(report.removed_chunk_ids))
             p.index.save(namespace)

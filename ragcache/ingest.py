@@ -32,8 +32,10 @@ class IngestReport:
 
 
 def ingest_documents(db: Database, tokenizer, fingerprint: str, docs: list[Document], namespace: str,
-                     max_tokens: int) -> IngestReport:
-    report = IngestReport()
+                     max_tokens: int, key_of=None) -> IngestReport:
+    """`key_of(token_ids)`, when given, names the KV key a new chunk will have: a replaced document's
+    entries that its new chunks will use again are kept (KV is keyed by content), not orphaned."""
+    report, reused = IngestReport(), set()
     with db.session() as s:
         existing = {d.external_id: d for d in s.scalars(select(DocRow).where(DocRow.namespace == namespace))}
         for doc in docs:
@@ -57,6 +59,8 @@ def ingest_documents(db: Database, tokenizer, fingerprint: str, docs: list[Docum
                 existing[doc.external_id] = row
                 report.added += 1
             for spec in chunk_document(tokenizer, doc, max_tokens):
+                if key_of is not None and report.orphan_kv_keys:
+                    reused.add(key_of(spec.token_ids))
                 s.add(Chunk(document_id=row.id, namespace=namespace, ordinal=spec.ordinal, text=spec.text,
                             n_tokens=len(spec.token_ids), token_ids=pack_ids(spec.token_ids),
                             model=fingerprint))
@@ -66,7 +70,7 @@ def ingest_documents(db: Database, tokenizer, fingerprint: str, docs: list[Docum
             bump_index_versions(s, [namespace])  # other processes drop the old chunks from their indexes
         if report.orphan_kv_keys:
             still_used = set(s.scalars(select(Chunk.kv_key).where(Chunk.kv_key.in_(report.orphan_kv_keys))))
-            report.orphan_kv_keys = sorted(set(report.orphan_kv_keys) - still_used)
+            report.orphan_kv_keys = sorted(set(report.orphan_kv_keys) - still_used - reused)
     return report
 
 

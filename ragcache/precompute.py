@@ -116,15 +116,16 @@ def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=Non
             batch = _claim(db, namespace, worker, batch_size, lease, job_id)
             if not batch:
                 return
-            pending, failed = [], []
+            pending, failed, writes = [], [], {}
             for cid, ns, ids_bytes, text in batch:
                 try:
                     ids = unpack_ids(ids_bytes)
                     key = service.kv_key_of(ids, ns)
-                    write = None
-                    if not service.store.contains(key):  # the same text elsewhere in the namespace: one entry
+                    write = writes.get(key)  # the same text twice in this batch: computed once
+                    if write is None and not service.store.contains(key):  # stored before: one entry
                         kv = service.store_encode(service.compute_chunk_kv(ids))
-                        write = writer.submit(service.store.put, key, kv, durable=True)  # `done` promises a blob
+                        put = writer.submit(service.store.put, key, kv, durable=True)  # `done` promises a blob
+                        write = writes[key] = put
                     pending.append((cid, ns, key, text, int(ids.numel()), write))
                 except Exception as e:  # noqa: BLE001 — a failing chunk is recorded, the job goes on
                     failed.append((cid, f"{type(e).__name__}: {e}"))

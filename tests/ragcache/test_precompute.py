@@ -218,3 +218,32 @@ def test_reingesting_a_changed_document_drops_its_old_vectors_and_kv(tmp_path, s
     hits = fresh.search("mountains", k=1)
     assert hits[0].text.startswith("Beta") and np.isfinite(hits[0].score)
     fresh.close()
+
+
+def test_work_is_not_thrown_away(tmp_path, smollm):
+    """An edited document keeps the KV of its unchanged chunks, and a text twice in one batch is computed once."""
+    from ragcache.precompute import run_precompute
+
+    words = [f"word{i}" for i in range(150)]
+    docs = tmp_path / "docs.jsonl"
+    rows = [{"id": "a", "text": " ".join(words)}, {"id": "b", "text": "Same text."}, {"id": "c", "text": "Same text."}]
+    docs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = _settings(_env(tmp_path / "home", smollm))
+    service = RagCache(settings)
+    computed = []
+    real = service.compute_chunk_kv
+    service.compute_chunk_kv = lambda ids: computed.append(ids.numel()) or real(ids)  # counts, computes for real
+    service.ingest(docs)
+    chunks = service.counts()["pending"]
+    run_precompute(settings, progress=False, service=service)
+    assert len(computed) == chunks - 1  # b and c share one entry, computed once
+    before = set(service.store.blobs[0].keys())
+
+    rows[0]["text"] = " ".join(words[:-3] + ["changed", "at", "end"])  # only the last chunk differs
+    docs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = service.ingest(docs)
+    assert report.replaced == 1 and len(report.orphan_kv_keys) == 1
+    computed.clear()
+    run_precompute(settings, progress=False, service=service)
+    assert len(computed) == 1 and len(before & set(service.store.blobs[0].keys())) == len(before) - 1
+    service.close()
