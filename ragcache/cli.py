@@ -36,7 +36,7 @@ def _precompute(args, settings) -> int:
     from .precompute import run_precompute
 
     summary = run_precompute(settings, workers=args.workers, namespace=args.namespace, progress=not args.quiet,
-                             job_id=args.job)
+                             job_id=args.job, retry_failed=args.retry_failed)
     print(summary.line())
     return 0
 
@@ -181,6 +181,7 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     pc.add_argument("--namespace", default=None, help="only this namespace (default: all)")
     pc.add_argument("--quiet", action="store_true", help="no progress bar")
     pc.add_argument("--job", type=_positive, default=None, help="work on this job row (made by `serve`)")
+    pc.add_argument("--retry-failed", action="store_true", help="give failed chunks a fresh set of attempts")
     pc.set_defaults(func=_precompute)
 
     se = sub.add_parser("search", help="the top-k chunks for a query")

@@ -53,6 +53,8 @@ class Settings(BaseSettings):
     index_kind: str = "flat"  # flat | ivf | hnsw
     precompute_batch: int = 8
     lease_seconds: int = 600  # a claimed chunk goes back to the pool if its worker is silent this long
+    precompute_attempts: int = 3  # a chunk whose prefill fails this often stays failed (--retry-failed)
+    retry_backoff_s: float = 10.0  # first retry delay; doubles with every further failure
 
     # generation defaults
     top_k: int = 4
@@ -101,6 +103,7 @@ class Settings(BaseSettings):
         return max(1, cores - jobs_running * self.job_thread_count())
 
     @field_validator("chunk_tokens", "precompute_batch", "top_k", "lease_seconds", "max_new_tokens", "max_queue",
+                     "precompute_attempts",
                      "max_tokens_cap",
                      "max_body_bytes")
     @classmethod
@@ -110,9 +113,9 @@ class Settings(BaseSettings):
         return v
 
     @field_validator("gpu_cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "redis_cache_bytes", "epic_k",
-                     "threads", "job_threads")
+                     "threads", "job_threads", "retry_backoff_s")
     @classmethod
-    def _nonneg(cls, v: int) -> int:
+    def _nonneg(cls, v: float) -> float:
         if v < 0:
             raise ValueError("must be >= 0")
         return v

@@ -43,5 +43,5 @@ def count_in(s, namespace: str | None, state: str | None, by: str | None = None)
     if namespace is not None:
         q = q.where(Chunk.namespace == namespace)
     if by is not None:
-        q = q.where(Chunk.claimed_by.like(f"{by}:%"))
+        q = q.where(Chunk.claimed_by.like(f"%:{by}:%"))  # workers of one run: host:pid:RUN:i
     return int(s.scalar(q))

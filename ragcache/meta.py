@@ -24,10 +24,12 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from .errors import UserError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _SCHEMA_LOCK = 0x7261676361636865  # PostgreSQL advisory lock key ("ragcache") for schema changes
 _MIGRATIONS: dict[int, list[str]] = {  # version → DDL statements that bring version-1 up to it
     2: ["ALTER TABLE jobs ADD COLUMN error TEXT"],  # (index_versions is a new table: create_all makes it)
+    3: ["ALTER TABLE chunks ADD COLUMN attempts INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE chunks ADD COLUMN retry_at TIMESTAMP WITH TIME ZONE"],
 }
 
 
@@ -78,8 +80,10 @@ class Chunk(Base):
     state: Mapped[str] = mapped_column(String(16), default="pending", index=True)  # pending/running/done/failed
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     job_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    claimed_by: Mapped[str | None] = mapped_column(String(128), nullable=True)  # host:pid:invocation
+    claimed_by: Mapped[str | None] = mapped_column(String(128), nullable=True)  # host:pid:run:i
     lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)  # failed prefills so far
+    retry_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)  # after a failure
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     __table_args__ = (Index("ux_chunks_doc_ordinal", "document_id", "ordinal", unique=True),)
 

@@ -1,6 +1,7 @@
 """The precompute job: prefill every pending chunk's KV once, store it, embed it, index it.
 
-Per-chunk state lives in SQL (pending → running → done | failed), so a job killed at any moment
+Per-chunk state lives in SQL (pending → running → done, or back to pending after a failed prefill
+until `precompute_attempts` tries, then failed; claims.py has the SQL), so a job killed at any moment
 resumes where it stopped, no chunk is counted done twice (the state change and the job's
 counter commit together, and only for the worker that holds the claim), and progress is
 readable by anyone. Workers claim small batches: on PostgreSQL with SELECT … FOR UPDATE SKIP
@@ -13,22 +14,21 @@ from __future__ import annotations
 import fcntl
 import multiprocessing
 import os
-import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 
-import numpy as np
 import torch
-from sqlalchemy import or_, select, update
+from sqlalchemy import select
 
 from .config import Settings
 from .errors import UserError
 from .ingest import unpack_ids
 from .job_rows import LOCK_FILE, count_chunks, finish_job_if_empty, join_or_start_job
-from .meta import Chunk, Database, Job, bump_index_versions, utcnow
+from . import claims
+from .meta import Chunk, Database
 
 
 @dataclass
@@ -42,9 +42,11 @@ class Summary:
 
 
 def run_precompute(settings: Settings, workers: int = 1, namespace: str | None = None,
-                   progress: bool = True, service=None, job_id: int | None = None) -> Summary:
+                   progress: bool = True, service=None, job_id: int | None = None,
+                   retry_failed: bool = False) -> Summary:
     """Precompute every pending chunk; `service`, when given, is used (and left open) instead of a new one;
-    `job_id` names a job row made beforehand (the server's), else the running one is joined or one started."""
+    `job_id` names a job row made beforehand (the server's), else the running one is joined or one started;
+    `retry_failed` gives failed chunks a fresh set of attempts first."""
     from .service import RagCache
 
     own = service is None
@@ -52,25 +54,28 @@ def run_precompute(settings: Settings, workers: int = 1, namespace: str | None =
     db, lock = service.db, None
     try:
         lock = _single_writer_lock(settings, db, workers)
-        invocation = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        _release_dead_claims(db, db.is_sqlite)
+        run = uuid.uuid4().hex[:8]  # this invocation; each worker is host:pid:run:i
+        claims.release_dead(db, db.is_sqlite)
+        if retry_failed:
+            claims.retry_failed(db, namespace)
         skipped = count_chunks(db, namespace, "done")
         job_id = job_id if job_id is not None else join_or_start_job(db, namespace)
         pending = count_chunks(db, namespace, "pending")
         bar = _bar(pending, progress)
         if workers == 1:
-            _work(service, job_id, namespace, f"{invocation}:0", on_batch=lambda n: bar.update(n) if bar else None)
+            _work(service, job_id, namespace, claims.worker_id(run, 0),
+                  on_batch=lambda n: bar.update(n) if bar else None)
         else:
             ctx = multiprocessing.get_context("spawn")
             threads = max(1, (os.cpu_count() or 1) // workers)
-            procs = [ctx.Process(target=_worker_main, args=(settings.model_dump(), job_id, namespace,
-                                                            f"{invocation}:{i}", threads)) for i in range(workers)]
+            procs = [ctx.Process(target=_worker_main, args=(settings.model_dump(), job_id, namespace, run, i,
+                                                            threads)) for i in range(workers)]
             for p in procs:
                 p.start()
             seen = 0
             while any(p.is_alive() for p in procs):
                 time.sleep(0.5)
-                now = sum(count_chunks(db, namespace, state, by=invocation) for state in ("done", "failed"))
+                now = sum(count_chunks(db, namespace, state, by=run) for state in ("done", "failed"))
                 if bar:
                     bar.update(now - seen)
                 seen = now
@@ -78,8 +83,8 @@ def run_precompute(settings: Settings, workers: int = 1, namespace: str | None =
                 p.join()
         if bar:
             bar.close()
-        summary = Summary(count_chunks(db, namespace, "done", by=invocation),
-                          count_chunks(db, namespace, "failed", by=invocation),
+        summary = Summary(count_chunks(db, namespace, "done", by=run),
+                          count_chunks(db, namespace, "failed", by=run),
                           skipped)
         finish_job_if_empty(db, job_id, namespace)
         for ns in _namespaces(db, namespace):
@@ -92,30 +97,35 @@ def run_precompute(settings: Settings, workers: int = 1, namespace: str | None =
             service.close()
 
 
-def _worker_main(settings: dict, job_id: int, namespace: str | None, worker: str, threads: int) -> None:
+def _worker_main(settings: dict, job_id: int, namespace: str | None, run: str, i: int, threads: int) -> None:
     from .service import RagCache
 
     torch.set_num_threads(threads)  # workers share the cores
     service = RagCache(Settings(**settings))
     try:
-        _work(service, job_id, namespace, worker)
+        _work(service, job_id, namespace, claims.worker_id(run, i))
     finally:
         service.close()
 
 
 def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=None) -> None:
-    """Claim a batch, process it, commit it; until nothing is left to claim.
+    """Claim a batch, process it, commit it; until nothing is left to claim (waiting out retry delays).
 
     A chunk's store write (serialise, checksum, fsync) runs on a writer thread while the next
-    chunk prefills; the batch commits only once its writes are durable.
+    chunk prefills; the batch commits only once its writes are durable. Leases are renewed meanwhile.
     """
-    db, batch_size = service.db, service.settings.precompute_batch
-    lease = timedelta(seconds=service.settings.lease_seconds)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-write") as writer:
+    db, cfg = service.db, service.settings
+    lease = timedelta(seconds=cfg.lease_seconds)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-write") as writer, \
+            claims.Heartbeat(db, worker, lease):
         while True:
-            batch = _claim(db, namespace, worker, batch_size, lease, job_id)
+            batch = claims.claim(db, namespace, worker, cfg.precompute_batch, lease, job_id)
             if not batch:
-                return
+                wait = claims.next_retry(db, namespace)
+                if wait is None:
+                    return
+                time.sleep(min(wait + 0.05, 5.0))
+                continue
             pending, failed, writes = [], [], {}
             for cid, ns, ids_bytes, text in batch:
                 try:
@@ -138,71 +148,9 @@ def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=Non
                 except Exception as e:  # noqa: BLE001
                     failed.append((cid, f"{type(e).__name__}: {e}"))
             vectors = service.embedder.embed([t for _, _, _, t, _ in done]) if done else []
-            _commit(db, job_id, worker, done, vectors, failed)
+            claims.commit(db, job_id, worker, done, vectors, failed, cfg.precompute_attempts, cfg.retry_backoff_s)
             if on_batch:
                 on_batch(len(batch))
-
-
-def _commit(db: Database, job_id: int, worker: str, done, vectors, failed) -> None:
-    """Chunk states and the job's counters in one transaction, for chunks this worker still holds;
-    the namespaces that gained retrievable chunks move their index version."""
-    with db.session() as s:
-        ok, grown = 0, set()
-        for (cid, ns, key, _, _), vec in zip(done, vectors):
-            n = s.execute(update(Chunk).where(Chunk.id == cid, Chunk.state == "running", Chunk.claimed_by == worker)
-                          .values(state="done", kv_key=key, embedding=vec.astype(np.float32).tobytes(),
-                                  error=None, lease_until=None)).rowcount
-            ok += n
-            if n:
-                grown.add(ns)
-        bump_index_versions(s, grown)
-        bad = 0
-        for cid, err in failed:
-            bad += s.execute(update(Chunk).where(Chunk.id == cid, Chunk.claimed_by == worker)
-                             .values(state="failed", error=err[:2000], lease_until=None)).rowcount
-        s.execute(update(Job).where(Job.id == job_id).values(
-            done=Job.done + ok, failed=Job.failed + bad, tokens=Job.tokens + sum(n for *_, n in done)))
-
-
-def _claim(db: Database, namespace: str | None, worker: str, n: int, lease: timedelta, job_id: int):
-    with db.session() as s:
-        q = select(Chunk).where(or_(Chunk.state == "pending",
-                                    (Chunk.state == "running") & (Chunk.lease_until < utcnow())))
-        if namespace is not None:
-            q = q.where(Chunk.namespace == namespace)
-        q = q.order_by(Chunk.id).limit(n)
-        if not db.is_sqlite:
-            q = q.with_for_update(skip_locked=True)
-        rows = list(s.scalars(q))
-        until = utcnow() + lease
-        for r in rows:
-            r.state, r.claimed_by, r.lease_until, r.job_id = "running", worker, until, job_id
-        return [(r.id, r.namespace, r.token_ids, r.text) for r in rows]
-
-
-def _release_dead_claims(db: Database, single_writer: bool) -> int:
-    """Running chunks whose worker is gone go back to pending: all of them under the SQLite lock
-    (no other worker can exist), else those of dead processes on this host."""
-    host = socket.gethostname()
-    with db.session() as s:
-        rows = list(s.scalars(select(Chunk).where(Chunk.state == "running")))
-        freed = 0
-        for r in rows:
-            owner = (r.claimed_by or "::").split(":")
-            if single_writer or (owner[0] == host and not _alive(int(owner[1] or 0))):
-                r.state, r.claimed_by, r.lease_until = "pending", None, None
-                freed += 1
-        return freed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except (ProcessLookupError, ValueError):
-        return False
-    except PermissionError:
-        return True
 
 
 def _single_writer_lock(settings: Settings, db: Database, workers: int):
