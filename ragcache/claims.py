@@ -10,15 +10,19 @@
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
+import time
 from datetime import datetime, timedelta
 
 import numpy as np
 from sqlalchemy import func, or_, select, update
 
 from .meta import Chunk, Database, Job, bump_index_versions, utcnow
+
+log = logging.getLogger("ragcache.precompute")
 
 
 def worker_id(run: str, i: int) -> str:
@@ -60,12 +64,14 @@ def next_retry(db: Database, namespace: str | None) -> float | None:
         return max(0.0, (first - now).total_seconds())
 
 
-def commit(db: Database, job_id: int, worker: str, done, vectors, failed, attempts: int, backoff_s: float) -> None:
+def commit(db: Database, job_id: int, worker: str, done, vectors, failed, attempts: int,
+           backoff_s: float) -> int:
     """Chunk states and the job's counters in one transaction, for chunks this worker still holds;
-    the namespaces that gained retrievable chunks move their index version."""
+    the namespaces that gained retrievable chunks move their index version. Rows are updated in id
+    order (the heartbeat skips locked rows): no deadlock. Returns how many chunks ended (done or failed)."""
     with db.session() as s:
         ok, grown = 0, set()
-        for (cid, ns, key, _, _), vec in zip(done, vectors):
+        for (cid, ns, key, _, _), vec in sorted(zip(done, vectors), key=lambda d: d[0][0]):
             n = s.execute(update(Chunk).where(Chunk.id == cid, Chunk.state == "running", Chunk.claimed_by == worker)
                           .values(state="done", kv_key=key, embedding=vec.astype(np.float32).tobytes(),
                                   error=None, lease_until=None, retry_at=None)).rowcount
@@ -74,27 +80,38 @@ def commit(db: Database, job_id: int, worker: str, done, vectors, failed, attemp
                 grown.add(ns)
         bump_index_versions(s, grown)
         bad, now = 0, db_now(s, db)
-        for cid, err in failed:
-            row = s.get(Chunk, cid)
-            if row is None or row.claimed_by != worker:
-                continue
+        for cid, err in sorted(failed):
+            row = s.get(Chunk, cid, with_for_update=True)
+            if row is None or row.claimed_by != worker or row.state != "running":
+                continue  # its lease lapsed and another worker has it now
             row.attempts, row.error, row.lease_until = row.attempts + 1, err[:2000], None
-            if row.attempts < attempts:  # back in the pool after 1, 2, 4, … × backoff
-                row.state, row.retry_at = "pending", now + timedelta(seconds=backoff_s * 2 ** (row.attempts - 1))
+            if row.attempts < attempts:  # back in the pool after 1, 2, 4, … × backoff (an hour at most)
+                delay = min(backoff_s * 2 ** min(row.attempts - 1, 20), 3600.0)
+                row.state, row.retry_at = "pending", now + timedelta(seconds=delay)
             else:
                 row.state = "failed"
                 bad += 1
         s.execute(update(Job).where(Job.id == job_id).values(
             done=Job.done + ok, failed=Job.failed + bad, tokens=Job.tokens + sum(n for *_, n in done)))
+        return ok + bad
 
 
 def retry_failed(db: Database, namespace: str | None) -> int:
-    """Failed chunks back to pending with a fresh set of attempts (`ragcache precompute --retry-failed`)."""
+    """Failed chunks back to pending with a fresh set of attempts (`ragcache precompute --retry-failed`);
+    a running job that counted them failed counts them no more."""
     with db.session() as s:
-        q = update(Chunk).where(Chunk.state == "failed")
+        q = select(Chunk).where(Chunk.state == "failed")
         if namespace is not None:
             q = q.where(Chunk.namespace == namespace)
-        return s.execute(q.values(state="pending", attempts=0, retry_at=None)).rowcount
+        rows = list(s.scalars(q.with_for_update()))
+        per_job: dict[int, int] = {}
+        for r in rows:
+            r.state, r.attempts, r.retry_at = "pending", 0, None
+            if r.job_id is not None:
+                per_job[r.job_id] = per_job.get(r.job_id, 0) + 1
+        for job_id, n in per_job.items():
+            s.execute(update(Job).where(Job.id == job_id, Job.state == "running").values(failed=Job.failed - n))
+        return len(rows)
 
 
 def release_dead(db: Database, single_writer: bool) -> int:
@@ -123,12 +140,17 @@ def _alive(pid: int) -> bool:
 
 
 class Heartbeat:
-    """While a worker works, its leases are renewed every lease/3: a long batch never looks abandoned."""
+    """While a worker makes progress (`beat()` after each chunk), its leases are renewed every lease/3:
+    a long batch never looks abandoned, and a worker stuck for 3 leases lets its chunks go."""
 
     def __init__(self, db: Database, worker: str, lease: timedelta):
         self.db, self.worker, self.lease = db, worker, lease
         self._stop = threading.Event()
+        self._last_beat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="lease-heartbeat", daemon=True)
+
+    def beat(self) -> None:
+        self._last_beat = time.monotonic()
 
     def __enter__(self) -> "Heartbeat":
         self._thread.start()
@@ -139,11 +161,21 @@ class Heartbeat:
         self._thread.join()
 
     def _run(self) -> None:
-        while not self._stop.wait(max(0.2, self.lease.total_seconds() / 3)):
-            self.renew()
+        seconds = self.lease.total_seconds()
+        while not self._stop.wait(max(0.2, seconds / 3)):
+            if time.monotonic() - self._last_beat > 3 * seconds:
+                continue  # stuck: no renewal, the leases lapse and another worker takes over
+            try:
+                self.renew()
+            except Exception:  # noqa: BLE001 — a missed renewal is retried at the next tick
+                log.warning("lease renewal failed", exc_info=True)
 
     def renew(self) -> int:
+        """Extend this worker's leases; rows a commit holds are skipped (SKIP LOCKED), never waited on."""
         with self.db.session() as s:
             until = db_now(s, self.db) + self.lease
-            return s.execute(update(Chunk).where(Chunk.claimed_by == self.worker, Chunk.state == "running")
+            mine = select(Chunk.id).where(Chunk.claimed_by == self.worker, Chunk.state == "running")
+            if not self.db.is_sqlite:
+                mine = mine.order_by(Chunk.id).with_for_update(skip_locked=True)
+            return s.execute(update(Chunk).where(Chunk.id.in_(mine.scalar_subquery()))
                              .values(lease_until=until)).rowcount

@@ -95,10 +95,6 @@ class Corpus:
     def counts(self, namespace: str | None = None) -> dict[str, int]:
         return corpus_counts(self.p.db, namespace)
 
-    def namespaces(self) -> list[str]:
-        with self.p.db.session() as s:
-            return sorted(s.scalars(select(DocRow.namespace).distinct()))
-
     # ---- retrieval -----------------------------------------------------------------------------
 
     def refresh(self, namespace: str) -> None:

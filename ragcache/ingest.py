@@ -35,7 +35,7 @@ def ingest_documents(db: Database, tokenizer, fingerprint: str, docs: list[Docum
                      max_tokens: int, key_of=None) -> IngestReport:
     """`key_of(token_ids)`, when given, names the KV key a new chunk will have: a replaced document's
     entries that its new chunks will use again are kept (KV is keyed by content), not orphaned."""
-    report, reused = IngestReport(), set()
+    report, new_ids = IngestReport(), {}  # external id → its new chunks' token ids (the last version wins)
     with db.session() as s:
         existing = {d.external_id: d for d in s.scalars(select(DocRow).where(DocRow.namespace == namespace))}
         for doc in docs:
@@ -58,9 +58,9 @@ def ingest_documents(db: Database, tokenizer, fingerprint: str, docs: list[Docum
                 s.flush()
                 existing[doc.external_id] = row
                 report.added += 1
-            for spec in chunk_document(tokenizer, doc, max_tokens):
-                if key_of is not None and report.orphan_kv_keys:
-                    reused.add(key_of(spec.token_ids))
+            specs = chunk_document(tokenizer, doc, max_tokens)
+            new_ids[doc.external_id] = [spec.token_ids for spec in specs]
+            for spec in specs:
                 s.add(Chunk(document_id=row.id, namespace=namespace, ordinal=spec.ordinal, text=spec.text,
                             n_tokens=len(spec.token_ids), token_ids=pack_ids(spec.token_ids),
                             model=fingerprint))
@@ -70,7 +70,10 @@ def ingest_documents(db: Database, tokenizer, fingerprint: str, docs: list[Docum
             bump_index_versions(s, [namespace])  # other processes drop the old chunks from their indexes
         if report.orphan_kv_keys:
             still_used = set(s.scalars(select(Chunk.kv_key).where(Chunk.kv_key.in_(report.orphan_kv_keys))))
-            report.orphan_kv_keys = sorted(set(report.orphan_kv_keys) - still_used - reused)
+            report.orphan_kv_keys = sorted(set(report.orphan_kv_keys) - still_used)
+    if report.orphan_kv_keys and key_of is not None:  # after the commit: key_of may read SQL itself
+        reused = {key_of(ids) for chunks in new_ids.values() for ids in chunks}
+        report.orphan_kv_keys = sorted(set(report.orphan_kv_keys) - reused)
     return report
 
 

@@ -12,13 +12,14 @@ version in `schema_info`; a change bumps SCHEMA_VERSION and adds a step to `_MIG
 """
 from __future__ import annotations
 
+import re
 import secrets
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Iterator
 
 from sqlalchemy import (BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, LargeBinary, String, Text,
-                        create_engine, event, text, update)
+                        create_engine, event, inspect, text, update)
 from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
@@ -82,7 +83,7 @@ class Chunk(Base):
     job_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     claimed_by: Mapped[str | None] = mapped_column(String(128), nullable=True)  # host:pid:run:i
     lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    attempts: Mapped[int] = mapped_column(Integer, default=0)  # failed prefills so far
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # failed prefills so far
     retry_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)  # after a failure
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     __table_args__ = (Index("ux_chunks_doc_ordinal", "document_id", "ordinal", unique=True),)
@@ -173,7 +174,8 @@ class Database:
                                 f"(version {SCHEMA_VERSION}): upgrade ragcache to use it", usage=False)
             for version in range(info.version + 1, SCHEMA_VERSION + 1):
                 for ddl in _MIGRATIONS.get(version, []):
-                    s.execute(text(ddl))
+                    if not _applied(s, ddl):  # SQLite commits each ALTER: a step cut short is not redone
+                        s.execute(text(ddl))
                 info.version = version
 
     @contextmanager
@@ -205,6 +207,12 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def _applied(s: Session, ddl: str) -> bool:
+    """True for an `ALTER TABLE t ADD COLUMN c …` whose column is already there."""
+    m = re.match(r"ALTER TABLE (\w+) ADD COLUMN (\w+)", ddl)
+    return bool(m) and m[2] in {c["name"] for c in inspect(s.connection()).get_columns(m[1])}
 
 
 def bump_index_versions(s: Session, namespaces) -> None:

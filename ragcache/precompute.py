@@ -117,7 +117,7 @@ def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=Non
     db, cfg = service.db, service.settings
     lease = timedelta(seconds=cfg.lease_seconds)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-write") as writer, \
-            claims.Heartbeat(db, worker, lease):
+            claims.Heartbeat(db, worker, lease) as heartbeat:
         while True:
             batch = claims.claim(db, namespace, worker, cfg.precompute_batch, lease, job_id)
             if not batch:
@@ -137,6 +137,7 @@ def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=Non
                         put = writer.submit(service.store.put, key, kv, durable=True)  # `done` promises a blob
                         write = writes[key] = put
                     pending.append((cid, ns, key, text, int(ids.numel()), write))
+                    heartbeat.beat()
                 except Exception as e:  # noqa: BLE001 — a failing chunk is recorded, the job goes on
                     failed.append((cid, f"{type(e).__name__}: {e}"))
             done = []
@@ -148,9 +149,11 @@ def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=Non
                 except Exception as e:  # noqa: BLE001
                     failed.append((cid, f"{type(e).__name__}: {e}"))
             vectors = service.embedder.embed([t for _, _, _, t, _ in done]) if done else []
-            claims.commit(db, job_id, worker, done, vectors, failed, cfg.precompute_attempts, cfg.retry_backoff_s)
+            ended = claims.commit(db, job_id, worker, done, vectors, failed, cfg.precompute_attempts,
+                                  cfg.retry_backoff_s)
+            heartbeat.beat()
             if on_batch:
-                on_batch(len(batch))
+                on_batch(ended)
 
 
 def _single_writer_lock(settings: Settings, db: Database, workers: int):

@@ -61,7 +61,7 @@ def test_a_prefill_that_failed_once_is_retried_and_ends_done(tmp_path, smollm):
     summary = run_precompute(settings, progress=False, service=service)
     assert summary.failed == 0 and service.counts() == {"done": 4}
     with service.db.session() as s:
-        assert sorted(s.scalars(select(Chunk.attempts))) == [0, 0, 0, 1]
+        assert sorted(s.scalars(select(Chunk.attempts))) == [0, 0, 0, 1]  # failed prefills, kept after done
     service.close()
 
 
@@ -122,3 +122,24 @@ def test_each_worker_process_claims_under_its_own_pid(tmp_path, smollm):
         service.close()
     finally:
         drop()
+
+
+def test_retry_failed_takes_them_off_the_job_that_counted_them(db):
+    ids = _add_chunks(db, 2)
+    worker, lease = claims.worker_id("run", 0), timedelta(seconds=600)
+    claims.claim(db, None, worker, 2, lease, 1)
+    claims.commit(db, 1, worker, [], [], [(ids[0], "boom"), (ids[1], "boom")], attempts=1, backoff_s=0)
+    with db.session() as s:
+        assert s.get(Job, 1).failed == 2
+    assert claims.retry_failed(db, None) == 2
+    with db.session() as s:
+        assert s.get(Job, 1).failed == 0 and {c.state for c in s.scalars(select(Chunk))} == {"pending"}
+
+
+def test_a_stuck_worker_stops_renewing(db):
+    _add_chunks(db, 1)
+    worker, lease = claims.worker_id("run", 0), timedelta(seconds=0.3)
+    claims.claim(db, None, worker, 1, lease, 1)
+    with claims.Heartbeat(db, worker, lease):  # never beats: after 3 leases it lets the chunk go
+        time.sleep(1.6)
+        assert len(claims.claim(db, None, claims.worker_id("other", 1), 1, lease, 1)) == 1
