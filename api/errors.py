@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ragcache.errors import Busy, Conflict, NotFound, UserError
 
+from .schemas import ErrorBody
 from .streaming import ClientGone
 
 log = logging.getLogger("ragcache.api")
@@ -22,6 +23,15 @@ log = logging.getLogger("ragcache.api")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
           409: "conflict_error", 413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
           503: "service_unavailable"}
+
+
+def documented(*codes: int) -> dict:
+    """OpenAPI `responses` for a router: these statuses, each with the error body."""
+    words = {400: "bad input (the message says what)", 401: "no key, or an unknown one", 403: "outside this key's "
+             "namespaces, or an admin route", 404: "an unknown id, or a namespace with nothing precomputed",
+             409: "collides with work under way", 413: "body over RAGCACHE_MAX_BODY_BYTES",
+             422: "a field fails validation (named in param)", 429: "queue full: see Retry-After"}
+    return {c: {"model": ErrorBody, "description": words[c]} for c in codes}
 
 
 class ApiError(Exception):

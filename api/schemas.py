@@ -162,3 +162,15 @@ class EvictRequest(Strict):
         if self.chunk_ids is not None and self.doc_id is not None:
             raise ValueError("name either chunk_ids or doc_id")
         return self
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx and 5xx: `{"error": {"message", "type", "param"}}`, OpenAI's shape."""
+
+    error: ErrorDetail

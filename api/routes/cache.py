@@ -6,9 +6,10 @@ from fastapi import APIRouter, Depends, Request
 
 from ..auth import Caller, caller
 from ..deps import service
+from ..errors import documented
 from ..schemas import ChunkSelector, EvictRequest
 
-router = APIRouter(tags=["cache"])
+router = APIRouter(tags=["cache"], responses=documented(400, 401, 403, 404, 413, 422))
 
 
 @router.post("/v1/cache/lookup")

@@ -12,10 +12,10 @@ from ragcache.evaluate import latest_dir
 
 from ..auth import Caller, caller
 from ..deps import service
-from ..errors import ApiError
+from ..errors import ApiError, documented
 
 STATIC = Path(__file__).resolve().parents[1] / "static"
-router = APIRouter(tags=["dashboard"])
+router = APIRouter(tags=["dashboard"], responses=documented(401, 404, 422))
 
 
 @router.get("/", include_in_schema=False)

@@ -13,10 +13,10 @@ from ragcache.errors import Conflict
 
 from ..auth import Caller, caller
 from ..deps import on_model_thread, service
-from ..errors import ApiError
+from ..errors import ApiError, documented
 from ..schemas import DocumentIn
 
-router = APIRouter(tags=["documents"])
+router = APIRouter(tags=["documents"], responses=documented(401, 403, 404, 413, 422, 429))
 
 _DOC = {"type": "object", "required": ["id", "text"],
         "properties": {"id": {"type": "string"}, "title": {"type": "string"}, "text": {"type": "string", "minLength": 1}}}

@@ -5,9 +5,10 @@ from fastapi import APIRouter, Depends, Path, Request
 
 from ..auth import Caller, caller
 from ..deps import service
+from ..errors import documented
 from ..schemas import JobRequest
 
-router = APIRouter(tags=["jobs"])
+router = APIRouter(tags=["jobs"], responses=documented(401, 403, 404, 409, 422))
 
 
 @router.post("/v1/jobs/precompute", status_code=202)

@@ -17,11 +17,11 @@ from ragcache.generation import Ask
 
 from ..auth import Caller, caller
 from ..deps import record, service, start_generation
-from ..errors import ApiError, body, from_exception
+from ..errors import ApiError, body, documented, from_exception
 from ..schemas import ChatRequest
 from ..streaming import sse, sse_response
 
-router = APIRouter(tags=["openai"])
+router = APIRouter(tags=["openai"], responses=documented(400, 401, 403, 404, 413, 422, 429))
 
 
 def model_id(request: Request) -> str:
