@@ -105,8 +105,8 @@ class Generation:
                 chunks.append(decode_kv(hit.entry, p.model.dtype, p.model.device))
                 tiers.append(hit.tier)
                 continue
-            kv = p.compute_chunk_kv(ids)
-            p.store.put(key, p.store_encode(kv), best_effort=True)  # a full or failing tier: served anyway
+            kv, stored = p.prefill_for_store(ids)
+            p.store.put(key, stored, best_effort=True)  # a full or failing tier: served anyway
             chunks.append(kv)
             tiers.append("computed")
         return chunks, tiers

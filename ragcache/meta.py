@@ -2,6 +2,7 @@
 
 Tables: namespaces (per-tenant key salt), documents, chunks (a document's pieces and their
 precompute state), kv_entries (one stored chunk KV, shared by every chunk with the same key),
+kv_copies and blob_stores (where each entry's blobs are: per host disk, per deployment Redis),
 jobs (precompute runs), model_defaults (what `calibrate` chose), index_versions (bumped whenever
 a namespace's set of retrievable chunks changes: a long-lived process re-syncs its FAISS index
 when the number moves, whoever made the change).
@@ -25,12 +26,15 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from .errors import UserError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 _SCHEMA_LOCK = 0x7261676361636865  # PostgreSQL advisory lock key ("ragcache") for schema changes
 _MIGRATIONS: dict[int, list[str]] = {  # version → DDL statements that bring version-1 up to it
     2: ["ALTER TABLE jobs ADD COLUMN error TEXT"],  # (index_versions is a new table: create_all makes it)
     3: ["ALTER TABLE chunks ADD COLUMN attempts INTEGER NOT NULL DEFAULT 0",
         "ALTER TABLE chunks ADD COLUMN retry_at TIMESTAMP WITH TIME ZONE"],
+    4: ["ALTER TABLE kv_entries ADD COLUMN cost_s FLOAT",  # where a blob is moves to kv_copies, per store:
+        "CREATE TABLE legacy_disk_copies AS SELECT key, bytes, checksum FROM kv_entries WHERE on_disk",
+        *[f"ALTER TABLE kv_entries DROP COLUMN {c}" for c in ("on_disk", "in_redis", "bytes", "checksum")]],
 }
 
 
@@ -90,18 +94,43 @@ class Chunk(Base):
 
 
 class KVEntry(Base):
+    """One chunk KV by key, wherever its copies are (kv_copies says where)."""
     __tablename__ = "kv_entries"
     key: Mapped[str] = mapped_column(String(64), primary_key=True)
     n_tokens: Mapped[int] = mapped_column(Integer)
-    bytes: Mapped[int] = mapped_column(BigInteger)
-    checksum: Mapped[str] = mapped_column(String(32))
     kv_dtype: Mapped[str] = mapped_column(String(16))
-    on_disk: Mapped[bool] = mapped_column(Boolean, default=False)
-    in_redis: Mapped[bool] = mapped_column(Boolean, default=False)
+    cost_s: Mapped[float | None] = mapped_column(Float, nullable=True)  # measured prefill seconds
     pinned: Mapped[bool] = mapped_column(Boolean, default=False)
     hits: Mapped[int] = mapped_column(Integer, default=0)
     last_access: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class BlobStore(Base):
+    """A place blobs live: `disk:<id>` per host directory (several processes of a host share it),
+    `redis` per deployment (its `token` prefixes every key). Its use is counted here, where every
+    writer sees it."""
+    __tablename__ = "blob_stores"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    token: Mapped[str] = mapped_column(String(32), default="")
+    used_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    entries: Mapped[int] = mapped_column(Integer, default=0)
+    clock: Mapped[float] = mapped_column(Float, default=0.0)  # GDSF ageing: the last evicted priority
+
+
+class KVCopy(Base):
+    """One blob of one entry in one store. `checksum` is NULL while it is being written: a copy left
+    so past a grace period is a crashed put, swept at the next start (a few rows, not every entry)."""
+    __tablename__ = "kv_copies"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    store: Mapped[str] = mapped_column(String(64), primary_key=True)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    checksum: Mapped[str | None] = mapped_column(String(32), nullable=True)  # of this store's blob
+    cost: Mapped[float] = mapped_column(Float)  # recompute cost (seconds, or tokens when not measured)
+    hits: Mapped[int] = mapped_column(Integer, default=0)
+    priority: Mapped[float] = mapped_column(Float, default=0.0)  # eviction order: the lowest goes first
+    written: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    __table_args__ = (Index("ix_kv_copies_store_priority", "store", "priority"),)
 
 
 class Job(Base):
@@ -210,9 +239,12 @@ class Database:
 
 
 def _applied(s: Session, ddl: str) -> bool:
-    """True for an `ALTER TABLE t ADD COLUMN c …` whose column is already there."""
-    m = re.match(r"ALTER TABLE (\w+) ADD COLUMN (\w+)", ddl)
-    return bool(m) and m[2] in {c["name"] for c in inspect(s.connection()).get_columns(m[1])}
+    """True for a step already done: a column added or dropped, a table created."""
+    look = inspect(s.connection())
+    if m := re.match(r"CREATE TABLE (\w+)", ddl):
+        return look.has_table(m[1])
+    m = re.match(r"ALTER TABLE (\w+) (ADD|DROP) COLUMN (\w+)", ddl)
+    return bool(m) and (m[3] in {c["name"] for c in look.get_columns(m[1])}) == (m[2] == "ADD")
 
 
 def bump_index_versions(s: Session, namespaces) -> None:

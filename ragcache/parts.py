@@ -7,6 +7,7 @@ start so that no request pays a one-time cost.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -113,6 +114,14 @@ class Parts:
     def compute_chunk_kv(self, token_ids: torch.Tensor) -> ChunkKV:
         prefixed = self.settings.chunk_prefill == "prefixed"
         return compute_chunk(self.runner, token_ids, self.prefix if prefixed else None)
+
+    def prefill_for_store(self, token_ids: torch.Tensor):
+        """(ChunkKV, its stored form) with the measured cost of making it: what evicting it costs."""
+        t0 = time.perf_counter()
+        kv = self.compute_chunk_kv(token_ids)
+        stored = self.store_encode(kv)  # to the CPU: waits for the device too
+        stored.cost_s = time.perf_counter() - t0
+        return kv, stored
 
     def close(self) -> None:
         if self.loaded("store"):

@@ -133,7 +133,7 @@ def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=Non
                     key = service.kv_key_of(ids, ns)
                     write = writes.get(key)  # the same text twice in this batch: computed once
                     if write is None and not service.store.contains(key):  # stored before: one entry
-                        kv = service.store_encode(service.compute_chunk_kv(ids))
+                        _, kv = service.prefill_for_store(ids)
                         put = writer.submit(service.store.put, key, kv, durable=True)  # `done` promises a blob
                         write = writes[key] = put
                     pending.append((cid, ns, key, text, int(ids.numel()), write))

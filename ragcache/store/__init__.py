@@ -6,12 +6,15 @@ Layers never import upward: tiers know bytes or tensors, `tiered.py` knows tiers
 """
 from __future__ import annotations
 
+import secrets
+
 import torch
 
 from ..config import Settings
 from ..meta import Database
 from .codec import CorruptBlob, StoredKV, decode, encode, kv_key
 from .disk import DiskTier
+from .ledger import ensure_store
 from .memory import MemoryTier
 from .tiered import Hit, StoreFull, TieredStore
 
@@ -25,7 +28,8 @@ def open_store(settings: Settings, db: Database) -> TieredStore:
     memory.append(MemoryTier("cpu", "cpu", settings.cpu_cache_bytes))
     blobs = [DiskTier(settings.home / "kv", settings.disk_cache_bytes)]
     if settings.redis_url:
-        from .redis import RedisTier
+        from .redis import STORE_ID, RedisTier
 
-        blobs.append(RedisTier(settings.redis_url, settings.redis_cache_bytes))
+        token = ensure_store(db, STORE_ID, secrets.token_hex(8))  # this deployment's key prefix, made once
+        blobs.append(RedisTier(settings.redis_url, settings.redis_cache_bytes, token))
     return TieredStore(db, memory, blobs, policy=settings.eviction, write_back=settings.write_policy == "write-back")

@@ -1,7 +1,7 @@
 """Chunk KV ⇄ stored form: storage dtype (float32/bfloat16/float16/int8), bytes, checksum, key.
 
 int8 is symmetric with one float32 scale per (layer, head, token): |x − x̂| ≤ max|row| / 254.
-The byte form is a safetensors blob; its xxh3-128 checksum lives in the SQL row and is
+The byte form is a safetensors blob; its xxh3-128 checksum lives in its copy's SQL row and is
 checked on every load from disk or Redis.
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ class StoredKV:
     start: int
     context: str
     kv_dtype: str
+    cost_s: float | None = None  # measured prefill (+ encode) seconds: what evicting it costs; not in the blob
 
     @property
     def nbytes(self) -> int:
@@ -46,7 +47,7 @@ class StoredKV:
             return t.pin_memory() if pin else t
 
         return StoredKV(move(self.token_ids), move(self.k), move(self.v), move(self.k_scale), move(self.v_scale),
-                        self.start, self.context, self.kv_dtype)
+                        self.start, self.context, self.kv_dtype, self.cost_s)
 
 
 def kv_key(fingerprint: str, token_ids: torch.Tensor, context: str, kv_dtype: str, salt: str) -> str:

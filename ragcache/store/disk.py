@@ -1,9 +1,14 @@
-"""Disk tier: one safetensors blob per entry under RAGCACHE_HOME/kv/, written temp → fsync → rename."""
+"""Disk tier: one safetensors blob per entry under RAGCACHE_HOME/kv/, written temp → fsync → rename.
+
+A directory is one store, named by the id in its STORE_ID file: every process of a host that uses
+the directory shares it, another host's directory is another store. What it holds and how full it is
+are kept in SQL (ledger.py); nothing here lists or stats the blobs at start.
+"""
 from __future__ import annotations
 
 import os
 import threading
-import time
+import uuid
 from pathlib import Path
 
 SUFFIX = ".safetensors"
@@ -16,8 +21,22 @@ class DiskTier:
     def __init__(self, root: Path, capacity: int):
         self.root, self.capacity = Path(root), capacity
         self.root.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._sizes = {p.name[: -len(SUFFIX)]: p.stat().st_size for p in self.root.glob(f"*/*{SUFFIX}")}
+        self.store_id = f"disk:{self._identity()}"
+
+    def _identity(self) -> str:
+        path = self.root / "STORE_ID"
+        try:
+            return path.read_text().strip()
+        except FileNotFoundError:
+            tmp = self.root / f".STORE_ID.{os.getpid()}.{threading.get_ident()}.tmp"
+            tmp.write_text(uuid.uuid4().hex)
+            try:
+                os.link(tmp, path)  # the first process to name the directory wins; the others read its name
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+            return path.read_text().strip()
 
     def _path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}{SUFFIX}"
@@ -36,8 +55,6 @@ class DiskTier:
             os.fsync(dir_fd)  # the rename itself is durable
         finally:
             os.close(dir_fd)
-        with self._lock:
-            self._sizes[key] = len(value)
 
     def get(self, key: str) -> bytearray | None:
         """The blob as a bytearray: tensors parsed from it are writable views, no copy."""
@@ -48,8 +65,6 @@ class DiskTier:
                 f.readinto(buf)
                 return buf
         except FileNotFoundError:
-            with self._lock:
-                self._sizes.pop(key, None)
             return None
 
     def contains(self, key: str) -> bool:
@@ -57,14 +72,16 @@ class DiskTier:
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
-        with self._lock:
-            self._sizes.pop(key, None)
+
+    def delete_partial(self, key: str) -> None:
+        """A put that died: its blob and any temp file it left."""
+        self.delete(key)
+        for tmp in self._path(key).parent.glob(f".{key}.*.tmp"):
+            tmp.unlink(missing_ok=True)
 
     def keys(self) -> list[str]:
-        return list(self._sizes)
-
-    def used_bytes(self) -> int:
-        return sum(self._sizes.values())
+        """Every blob in the directory (a listing: for inspection, never on a request's path)."""
+        return [p.name[: -len(SUFFIX)] for p in self.root.glob(f"*/*{SUFFIX}")]
 
     def capacity_bytes(self) -> int:
         return self.capacity
@@ -72,21 +89,3 @@ class DiskTier:
     def ping(self) -> None:
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise OSError(f"{self.root} is not writable")
-
-    def sweep(self, known: set[str], grace_s: float) -> int:
-        """Delete temp files and blobs without a metadata row, older than `grace_s` (another
-        process may be between its rename and its commit). Returns how many were removed."""
-        removed, now = 0, time.time()
-        for p in list(self.root.glob("*/.*.tmp")) + list(self.root.glob(f"*/*{SUFFIX}")):
-            key = p.name[: -len(SUFFIX)] if p.name.endswith(SUFFIX) else None
-            if key in known:
-                continue
-            try:
-                if now - p.stat().st_mtime >= grace_s:
-                    p.unlink()
-                    removed += 1
-                    with self._lock:
-                        self._sizes.pop(key, None)
-            except FileNotFoundError:
-                pass
-        return removed

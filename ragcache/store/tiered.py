@@ -1,11 +1,16 @@
 """TieredStore: memory tiers (gpu, cpu) over blob tiers (disk, redis), metadata rows in SQL.
 
 - lookup walks the tiers top-down and promotes a hit into the memory tiers;
-- put is write-through by default (blob tiers first, durable, then the SQL row: two-phase),
-  or write-back (memory only until evicted or flushed);
-- eviction (lru or gdsf, per tier) demotes: evicted from CPU, still on disk; pinned entries
-  are never evicted, and no tier goes over its capacity for an unpinned entry;
-- every blob is checked against the row's checksum on load; a bad or missing blob is dropped,
+- put is write-through by default (bytes reserved in the blob store's ledger, blob written, its
+  checksum committed: a served copy always has its blob), or write-back (memory only until
+  evicted or flushed);
+- eviction (lru or gdsf, per tier; blob tiers in SQL, shared by every process that writes them)
+  demotes: evicted from CPU, still on disk; pinned entries are never evicted, and no tier goes
+  over its capacity for an unpinned entry;
+- blob tiers are stores with their own rows (kv_copies): a host's disk, the deployment's Redis.
+  A process judges only the copies of its own stores, so another host's start or miss never
+  touches this host's blobs;
+- every blob is checked against its copy's checksum on load; a bad or missing blob is dropped,
   counted, and reported as a miss so the caller recomputes it;
 - a blob tier that fails (Redis down, an I/O error) is not a request failure: the fault is
   counted, logged once, and the tier skipped for `retry_s` seconds; a load from it is a miss
@@ -19,16 +24,17 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from sqlalchemy import delete, select
+from sqlalchemy import select
 
 from ..meta import Database, KVEntry, utcnow
 from .codec import CorruptBlob, StoredKV, checksum, from_bytes, to_bytes
 from .faults import FAILED as _FAILED
 from .faults import TierGuard
+from .ledger import Ledger, adopt_legacy, copies_of
 from .policy import make_policy
 from .tier import Tier
 
-_FLAG = {"disk": "on_disk", "redis": "in_redis"}
+_UNBOUNDED = 1 << 62  # a pinned entry's room in a blob store that has none left
 log = logging.getLogger("ragcache.store")
 
 
@@ -54,11 +60,12 @@ class TieredStore:
         self.db, self.memory, self.blobs = db, memory_tiers, blob_tiers
         self.tiers = memory_tiers + blob_tiers
         self.write_back = write_back
-        self._policy = {t.name: make_policy(policy) for t in self.tiers}
+        self._policy = {t.name: make_policy(policy) for t in memory_tiers}
+        self._books = {t.name: Ledger(db, t.store_id, policy) for t in blob_tiers}
         self._lock = threading.RLock()
         self._pinned: set[str] = set()
         self._dirty: set[str] = set()  # write-back entries with no durable blob yet
-        self._pending_hits: Counter[str] = Counter()
+        self._pending_hits: Counter[tuple[str, str]] = Counter()  # (tier, key) → hits not yet in SQL
         self.hits: Counter[str] = Counter()
         self.misses: Counter[str] = Counter()
         self.evictions: Counter[str] = Counter()
@@ -98,33 +105,51 @@ class TieredStore:
         return True
 
     def _persist(self, key: str, entry: StoredKV) -> None:
-        """Blob into every blob tier that works (durable first), then the row: a row never lacks its blob."""
+        """Into every blob tier that works: bytes reserved, blob written, then its checksum committed."""
         blob = to_bytes(entry)
-        csum = checksum(blob)
-        stored, full = [], None
+        csum, stored, full = checksum(blob), [], None
         for tier in self.blobs:
+            book = self._books[tier.name]
             try:
-                self._make_room(tier, len(blob), key)
+                self._reserve(tier, key, entry, len(blob))
             except StoreFull as e:  # this tier is full of pinned entries; the others may take it
                 full = e
                 continue
-            if self._io(tier, tier.put, key, blob) is not _FAILED:
-                self._touch(tier, key, entry)
-                stored.append(tier)
+            if self._io(tier, tier.put, key, blob) is _FAILED:
+                book.drop(key)
+                continue
+            book.commit(key, csum)
+            stored.append(tier)
         if not stored:
             raise full or StoreError(f"no blob tier could store {key} ({', '.join(t.name for t in self.blobs)} "
                                      "failing)")
-        with self.db.session() as s:
-            row = s.get(KVEntry, key)
-            if row is None:
-                row = KVEntry(key=key, n_tokens=entry.token_ids.numel(), kv_dtype=entry.kv_dtype)
-                s.add(row)
-            row.bytes, row.checksum = len(blob), csum
-            for tier in stored:
-                setattr(row, _FLAG[tier.name], True)
-            row.pinned = row.pinned or key in self._pinned
         with self._lock:
             self._dirty.discard(key)
+
+    def _reserve(self, tier, key: str, entry: StoredKV, nbytes: int) -> None:
+        """Room for the blob in `tier`'s store, evicting its lowest-priority unpinned copies."""
+        book, capacity, pinned = self._books[tier.name], tier.capacity_bytes(), key in self._pinned
+        if nbytes > capacity and not pinned:
+            raise StoreFull(f"{key} ({nbytes} bytes) is larger than the whole {tier.name} tier")
+        def reserved(room: int) -> bool:
+            return book.reserve(key, nbytes, room, entry.token_ids.numel(), entry.kv_dtype, _cost(entry), pinned)
+
+        while not reserved(capacity):
+            victims = book.victims(8, skip=self._pinned | {key})
+            if not victims:
+                if not pinned:
+                    raise StoreFull(f"{tier.name} tier is full of pinned entries")
+                capacity = _UNBOUNDED  # a pin always lands
+            for victim in victims:  # one at a time: no more than the room needed
+                self._evict_blob(tier, victim)
+                if reserved(capacity):
+                    return
+
+    def _evict_blob(self, tier, key: str) -> None:
+        if self._books[tier.name].drop(key, evicted=True):  # whoever drops the row frees the blob
+            self._io(tier, tier.delete, key)
+            with self._lock:
+                self.evictions[tier.name] += 1
 
     def _admit(self, key: str, entry: StoredKV, below: int | None = None) -> None:
         """Insert into the memory tiers above index `below` (all of them by default)."""
@@ -140,61 +165,30 @@ class TieredStore:
             if tier.used_bytes() + entry.nbytes > tier.capacity_bytes():
                 return False  # pinned or not: pins never push a memory tier past its capacity
             tier.put(key, entry)
-            self._touch(tier, key, entry)
+            self._policy[tier.name].touch(key, entry.nbytes, _cost(entry))
             return True
 
-    def _touch(self, tier, key: str, entry: StoredKV) -> None:
-        with self._lock:
-            self._policy[tier.name].touch(key, entry.nbytes, float(entry.token_ids.numel()))
-
     def _make_room(self, tier, incoming: int, incoming_key: str) -> None:
-        """Evict (demote) unpinned entries until `incoming` bytes fit."""
+        """Evict (demote) unpinned entries of a memory tier until `incoming` bytes fit."""
         while True:
             with self._lock:
                 if tier.used_bytes() + incoming <= tier.capacity_bytes():
                     return
                 victim = self._policy[tier.name].victim(skip=self._pinned | {incoming_key})
                 if victim is None:
-                    if tier.holds_blobs and incoming_key not in self._pinned:
-                        raise StoreFull(f"{tier.name} tier is full of pinned entries")
                     return
+                value = tier.get(victim)
                 self._policy[tier.name].remove(victim)  # no other thread picks it now
-            self._evict(tier, victim)
-
-    def _evict(self, tier, key: str) -> None:
-        """`key` out of `tier` (bookkeeping under the lock, blob I/O outside it), then demoted."""
-        with self._lock:
-            value = None if tier.holds_blobs else tier.get(key)  # a blob is not read to be dropped
-            self._policy[tier.name].remove(key)
-            if not tier.holds_blobs:
-                tier.delete(key)
-            self.evictions[tier.name] += 1
-        if tier.holds_blobs:
-            self._io(tier, tier.delete, key)
-        self._demoted(tier, key, value)
+                tier.delete(victim)
+                self.evictions[tier.name] += 1
+            self._demoted(tier, victim, value)
 
     def _demoted(self, tier, key: str, value) -> None:
-        """After `key` left `tier`: keep it one level down, or record that it is gone from there."""
-        if not tier.holds_blobs:
-            lower = self.memory[self.memory.index(tier) + 1 :]
-            kept = any(t.contains(key) for t in lower) or bool(lower and self._admit_one(lower[0], key, value))
-            if not kept and key in self._dirty:
-                self._persist(key, value)
-            return
-        with self.db.session() as s:
-            row = s.get(KVEntry, key)
-            if row is not None:
-                setattr(row, _FLAG[tier.name], False)
-                if not row.on_disk and not row.in_redis:
-                    s.delete(row)
-
-    def _forget(self, tier, key: str) -> None:
-        with self._lock:
-            self._policy[tier.name].remove(key)
-        if tier.holds_blobs:
-            self._io(tier, tier.delete, key)
-        else:
-            tier.delete(key)
+        """After `key` left memory tier `tier`: kept one level down, or written back if it was dirty."""
+        lower = self.memory[self.memory.index(tier) + 1 :]
+        kept = any(t.contains(key) for t in lower) or bool(lower and self._admit_one(lower[0], key, value))
+        if not kept and key in self._dirty:
+            self._persist(key, value)
 
     def flush(self) -> None:
         """Write-back entries made durable; pending hit counts written to their rows."""
@@ -207,12 +201,20 @@ class TieredStore:
     def _write_hits(self) -> None:
         with self._lock:
             pending, self._pending_hits = self._pending_hits, Counter()
-        if pending:
+        if not pending:
+            return
+        per_key, per_tier = Counter(), {}
+        for (tier, key), n in pending.items():
+            per_key[key] += n
+            per_tier.setdefault(tier, Counter())[key] += n
+        with self.db.session() as s:
             now = utcnow()
-            with self.db.session() as s:
-                for row in s.scalars(select(KVEntry).where(KVEntry.key.in_(list(pending)))):
-                    row.hits += pending[row.key]
-                    row.last_access = now
+            for row in s.scalars(select(KVEntry).where(KVEntry.key.in_(list(per_key)))):
+                row.hits += per_key[row.key]
+                row.last_access = now
+        for name, hits in per_tier.items():
+            if name in self._books:
+                self._books[name].touch(hits)
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -225,22 +227,14 @@ class TieredStore:
             self._record_hit(tier, key, entry)
             self._admit(key, entry, below=i)  # promote into the tiers above
             return Hit(entry, tier.name)
-        with self.db.session() as s:
-            row = s.get(KVEntry, key)
-            expected = None if row is None else (row.checksum, {t: getattr(row, f) for t, f in _FLAG.items()})
-        if expected is None:
-            for tier in self.blobs:
-                self.misses[tier.name] += 1
-            return None
-        csum, present = expected
+        found = copies_of(self.db, key, [t.store_id for t in self.blobs])
         for tier in self.blobs:
-            if not present.get(tier.name):
-                self.misses[tier.name] += 1
-                continue
-            entry = self._load_blob(tier, key, csum)
+            copy = found.get(tier.store_id)
+            entry = None if copy is None else self._load_blob(tier, key, copy[0])
             if entry is None:
                 self.misses[tier.name] += 1
                 continue
+            entry.cost_s = copy[1]
             self._record_hit(tier, key, entry)
             self._admit(key, entry)
             return Hit(entry, tier.name)
@@ -262,73 +256,56 @@ class TieredStore:
             except CorruptBlob:
                 with self._lock:
                     self.corrupt[tier.name] += 1
-        self._forget(tier, key)  # missing or bad: drop it, never serve it
-        self._demoted(tier, key, None)
+        if self._books[tier.name].drop(key):  # missing or bad: drop it, never serve it
+            self._io(tier, tier.delete, key)
         return None
 
     def _record_hit(self, tier, key: str, entry: StoredKV) -> None:
         with self._lock:
             self.hits[tier.name] += 1
-            self._pending_hits[key] += 1
-            if tier.holds_blobs or tier.contains(key):  # not evicted meanwhile: never re-rank a gone key
-                self._touch(tier, key, entry)
+            self._pending_hits[tier.name, key] += 1
+            if not tier.holds_blobs and tier.contains(key):  # not evicted meanwhile: never re-rank a gone key
+                self._policy[tier.name].touch(key, entry.nbytes, _cost(entry))
             due = len(self._pending_hits) >= 256
         if due:
             self._write_hits()
 
     def contains(self, key: str) -> bool:
-        if any(t.contains(key) for t in self.memory):
-            return True
-        with self.db.session() as s:
-            return s.get(KVEntry, key) is not None
+        return any(t.contains(key) for t in self.memory) or bool(
+            copies_of(self.db, key, [t.store_id for t in self.blobs]))
+
+    def where(self, key: str) -> list[str]:
+        """The tiers that hold `key` now (blob tiers by their copies in SQL)."""
+        found = copies_of(self.db, key, [t.store_id for t in self.blobs])
+        return [t.name for t in self.memory if t.contains(key)] + [t.name for t in self.blobs if t.store_id in found]
 
     # ---- management --------------------------------------------------------------------------
 
     def delete(self, key: str) -> None:
+        """`key` out of every tier of this process (another host's disk copies age out there)."""
         with self._lock:
             self._pinned.discard(key)
             self._dirty.discard(key)
-        for tier in self.tiers:
-            self._forget(tier, key)
-        with self.db.session() as s:
-            s.execute(delete(KVEntry).where(KVEntry.key == key))
+            for tier in self.memory:
+                self._policy[tier.name].remove(key)
+                tier.delete(key)
+        for tier in self.blobs:
+            if self._books[tier.name].drop(key):
+                self._io(tier, tier.delete, key)
 
     def recover(self, orphan_grace_s: float = 60.0) -> dict[str, int]:
-        """At start: rows whose blob is gone are repaired, blobs without a row are removed."""
+        """At start: puts that died are swept, pins reloaded. Costs the crashed puts and the pins,
+        not the number of entries: no blob is listed or statted."""
         fixed = Counter()
-        listed = {t.name: self._io(t, t.keys) for t in self.blobs}  # one listing a tier, not one call a row
-        reachable = [t for t in self.blobs if listed[t.name] is not _FAILED]  # judge only tiers we can see
-        held = {t.name: set(listed[t.name]) for t in reachable}
+        for tier in self.blobs:
+            if hasattr(tier, "delete_partial"):
+                fixed["adopted"] += adopt_legacy(self.db, tier.store_id, tier.contains)
+            for key in self._books[tier.name].sweep(orphan_grace_s):
+                self._io(tier, getattr(tier, "delete_partial", tier.delete), key)
+                fixed["orphan_blob"] += 1
         with self.db.session() as s:
-            rows = list(s.scalars(select(KVEntry)))
-            for row in rows:
-                for tier in reachable:
-                    flag = _FLAG[tier.name]
-                    if getattr(row, flag) and row.key not in held[tier.name]:
-                        setattr(row, flag, False)
-                        fixed["missing_blob"] += 1
-                if row.pinned:
-                    self._pinned.add(row.key)
-                if not row.on_disk and not row.in_redis:
-                    s.delete(row)
-                    fixed["dropped_row"] += 1
-            known = {r.key: (r.bytes, float(r.n_tokens)) for r in rows if r.on_disk or r.in_redis}
-        for tier in reachable:
-            if hasattr(tier, "sweep"):
-                fixed["orphan_blob"] += tier.sweep(set(known), orphan_grace_s)
-            for key in listed[tier.name]:  # in the tier's own order: ties rank as they did
-                if key in known:  # ranked as a put ranks it: size and recompute cost
-                    self._policy[tier.name].touch(key, *known[key])
+            self._pinned |= set(s.scalars(select(KVEntry.key).where(KVEntry.pinned)))
         return dict(fixed)
-
-    def where(self, key: str) -> list[str]:
-        """The tiers that hold `key` now (blob tiers by their metadata row)."""
-        tiers = [t.name for t in self.memory if t.contains(key)]
-        with self.db.session() as s:
-            row = s.get(KVEntry, key)
-        if row is not None:
-            tiers += [t.name for t in self.blobs if getattr(row, _FLAG[t.name])]
-        return tiers
 
     def is_pinned(self, key: str) -> bool:
         return key in self._pinned
@@ -354,14 +331,15 @@ class TieredStore:
         tier = next((t for t in self.tiers if t.name == name), None)
         if tier is None:
             raise KeyError(name)
-        keys = self._io(tier, tier.keys) if tier.holds_blobs else tier.keys()
-        if keys is _FAILED:
-            raise StoreError(f"the {name} tier cannot be reached")
-        n = 0
-        for key in [k for k in keys if k not in self._pinned]:
-            self._evict(tier, key)
-            n += 1
-        return n
+        if tier.holds_blobs:
+            keys = [k for k in self._books[name].keys(unpinned=True) if k not in self._pinned]
+            for key in keys:
+                self._evict_blob(tier, key)
+            return len(keys)
+        with self._lock:
+            keys = [k for k in tier.keys() if k not in self._pinned]
+        self._make_room(tier, tier.capacity_bytes() + 1, "")  # evicts every unpinned entry, demoting it
+        return len(keys)
 
     def health(self) -> dict[str, bool]:
         """tier → reachable now."""
@@ -369,19 +347,20 @@ class TieredStore:
 
     def stats(self) -> dict:
         self._write_hits()
-        return {
-            "tiers": [{"name": t.name, "entries": self._entries(t),
-                       "used_bytes": t.used_bytes(), "capacity_bytes": t.capacity_bytes(), "hits": self.hits[t.name],
-                       "misses": self.misses[t.name], "evictions": self.evictions[t.name],
-                       "corrupt": self.corrupt[t.name], "errors": self.guard.errors[t.name]} for t in self.tiers],
-            "corrupt_dropped": sum(self.corrupt.values()),
-            "pinned": len(self._pinned),
-        }
-
-    def _entries(self, tier) -> int:
-        keys = self._io(tier, tier.keys) if tier.holds_blobs else tier.keys()
-        return 0 if keys is _FAILED else len(keys)
+        tiers = []
+        for t in self.tiers:
+            used, entries = self._books[t.name].used() if t.holds_blobs else (t.used_bytes(), len(t.keys()))
+            tiers.append({"name": t.name, "entries": entries, "used_bytes": used, "capacity_bytes": t.capacity_bytes(),
+                          "hits": self.hits[t.name], "misses": self.misses[t.name],
+                          "evictions": self.evictions[t.name], "corrupt": self.corrupt[t.name],
+                          "errors": self.guard.errors[t.name]})
+        return {"tiers": tiers, "corrupt_dropped": sum(self.corrupt.values()), "pinned": len(self._pinned)}
 
     def close(self) -> None:
         self.flush()
         self._pool.shutdown(wait=True)
+
+
+def _cost(entry: StoredKV) -> float:
+    """What recomputing the entry costs: its measured prefill seconds, else its length in tokens."""
+    return entry.cost_s if entry.cost_s is not None else float(entry.token_ids.numel())

@@ -50,14 +50,14 @@ def db(db_url):
 
 
 @pytest.fixture
-def redis_prefix():
-    """A private key prefix in the real Redis, emptied afterwards."""
+def redis_token():
+    """A private deployment token in the real Redis (keys `ragcache:<token>:…`), emptied afterwards."""
     import redis
 
-    prefix = f"ragcache:test:{uuid.uuid4().hex[:8]}:"
-    yield prefix
+    token = f"test{uuid.uuid4().hex[:8]}"
+    yield token
     client = redis.Redis.from_url(REDIS_URL)
-    keys = list(client.scan_iter(match=prefix + "*"))
+    keys = list(client.scan_iter(match=f"ragcache:{token}:*"))
     if keys:
         client.delete(*keys)
 

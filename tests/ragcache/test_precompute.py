@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import func, select
 
 from ragcache.config import Settings
-from ragcache.meta import Chunk, Database, Job, KVEntry
+from ragcache.meta import Chunk, Database, Job, KVCopy
 from ragcache.service import RagCache
 
 from .conftest import pg_database
@@ -78,7 +78,7 @@ def _agree(env: dict) -> int:
     with db.session() as s:
         chunks = list(s.scalars(select(Chunk)))
         done_counted = s.scalar(select(func.sum(Job.done)))
-        keys = set(s.scalars(select(KVEntry.key).where(KVEntry.on_disk)))
+        keys = set(s.scalars(select(KVCopy.key).where(KVCopy.store.like("disk:%"), KVCopy.checksum.is_not(None))))
     assert chunks and all(c.state == "done" for c in chunks), {c.state for c in chunks}
     assert done_counted == len(chunks), "a chunk was counted done twice (or not at all)"
     assert {c.kv_key for c in chunks} <= keys

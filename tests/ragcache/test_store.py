@@ -13,7 +13,7 @@ import pytest
 import torch
 from sqlalchemy import select
 
-from ragcache.meta import Database, KVEntry
+from ragcache.meta import Database, KVCopy, KVEntry
 from ragcache.store import StoreFull, TieredStore, decode, encode, kv_key
 from ragcache.store.codec import checksum, from_bytes, to_bytes
 from ragcache.store.disk import DiskTier
@@ -26,12 +26,12 @@ from .conftest import REDIS_URL, fake_chunk
 ENTRY_BYTES = encode(fake_chunk(0), "float32").nbytes
 
 
-def make_store(db, tmp_path, *, cpu_entries=100, disk_entries=1000, redis_prefix=None, policy="lru",
+def make_store(db, tmp_path, *, cpu_entries=100, disk_entries=1000, redis_token=None, policy="lru",
                write_back=False, grace=60.0) -> TieredStore:
     memory = [MemoryTier("cpu", "cpu", cpu_entries * ENTRY_BYTES)]
     blobs = [DiskTier(tmp_path / "kv", disk_entries * (ENTRY_BYTES + 1024))]
-    if redis_prefix:
-        blobs.append(RedisTier(REDIS_URL, 1 << 30, prefix=redis_prefix))
+    if redis_token:
+        blobs.append(RedisTier(REDIS_URL, 1 << 30, redis_token))
     return TieredStore(db, memory, blobs, policy=policy, write_back=write_back, orphan_grace_s=grace)
 
 
@@ -48,20 +48,20 @@ def _close(chunk, restored, kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16", "int8"])
-def test_round_trip_through_every_tier(db, tmp_path, redis_prefix, kv_dtype):
-    store = make_store(db, tmp_path, redis_prefix=redis_prefix)
+def test_round_trip_through_every_tier(db, tmp_path, redis_token, kv_dtype):
+    store = make_store(db, tmp_path, redis_token=redis_token)
     chunk = fake_chunk(1)
     store.put("k1", encode(chunk, kv_dtype))
     hit = store.get("k1")
     assert hit.tier == "cpu"
     _close(chunk, decode(hit.entry, torch.float32, torch.device("cpu")), kv_dtype)
-    reopened = make_store(db, tmp_path, redis_prefix=redis_prefix)  # empty memory: the disk serves it
+    reopened = make_store(db, tmp_path, redis_token=redis_token)  # empty memory: the disk serves it
     hit = reopened.get("k1")
     assert hit.tier == "disk"
     _close(chunk, decode(hit.entry, torch.float32, torch.device("cpu")), kv_dtype)
     assert reopened.get("k1").tier == "cpu"  # promoted on that hit
     DiskTier(tmp_path / "kv", 1 << 30).delete("k1")
-    third = make_store(db, tmp_path, redis_prefix=redis_prefix)
+    third = make_store(db, tmp_path, redis_token=redis_token)
     hit = third.get("k1")
     assert hit.tier == "redis"
     _close(chunk, decode(hit.entry, torch.float32, torch.device("cpu")), kv_dtype)
@@ -129,8 +129,8 @@ def test_capacity_is_never_exceeded(db, tmp_path, policy):
             store.put(key, encode(fake_chunk(rng.randrange(100), n=rng.choice([8, 16])), "float32"))
         else:
             store.get(key)
-        for tier in store.tiers:
-            assert tier.used_bytes() <= tier.capacity_bytes(), (step, tier.name)
+        for tier in store.stats()["tiers"]:
+            assert tier["used_bytes"] <= tier["capacity_bytes"], (step, tier["name"])
 
 
 def _blob_path(tmp_path, key):
@@ -154,15 +154,15 @@ def test_corrupt_disk_blob_is_detected_dropped_and_a_miss(db, tmp_path, damage):
         assert s.get(KVEntry, "k") is None  # nothing else held it: the entry is gone, to be recomputed
 
 
-def test_corrupt_redis_blob_is_detected_and_the_disk_copy_is_untouched(db, tmp_path, redis_prefix):
+def test_corrupt_redis_blob_is_detected_and_the_disk_copy_is_untouched(db, tmp_path, redis_token):
     import redis
 
-    make_store(db, tmp_path, redis_prefix=redis_prefix).put("k", encode(fake_chunk(4), "float32"))
+    make_store(db, tmp_path, redis_token=redis_token).put("k", encode(fake_chunk(4), "float32"))
     DiskTier(tmp_path / "kv", 1 << 30).delete("k")  # force the read to Redis
-    redis.Redis.from_url(REDIS_URL).setrange(redis_prefix + "k", 200, b"\xff\xfe")
-    store = make_store(db, tmp_path, redis_prefix=redis_prefix)
+    redis.Redis.from_url(REDIS_URL).setrange(f"ragcache:{redis_token}:kv:k", 200, b"\xff\xfe")
+    store = make_store(db, tmp_path, redis_token=redis_token)
     assert store.get("k") is None and store.corrupt["redis"] == 1
-    assert not redis.Redis.from_url(REDIS_URL).exists(redis_prefix + "k")
+    assert not redis.Redis.from_url(REDIS_URL).exists(f"ragcache:{redis_token}:kv:k")
 
 
 def test_row_whose_blob_vanished_is_repaired_on_lookup(db, tmp_path):
@@ -181,8 +181,7 @@ def test_write_back_commits_the_row_only_once_the_blob_is_durable(db, tmp_path):
         assert s.get(KVEntry, "a") is None
     store.put("b", encode(fake_chunk(7), "float32"))
     store.put("c", encode(fake_chunk(8), "float32"))  # evicts a: written down now
-    with db.session() as s:
-        assert s.get(KVEntry, "a").on_disk and s.get(KVEntry, "b") is None
+    assert store.where("a") == ["disk"] and store.where("b") == ["cpu"]
     store.flush()
     with db.session() as s:
         assert {r.key for r in s.scalars(select(KVEntry))} == {"a", "b", "c"}
@@ -191,8 +190,7 @@ def test_write_back_commits_the_row_only_once_the_blob_is_durable(db, tmp_path):
 def test_write_back_entry_no_memory_tier_takes_is_written_at_once(db, tmp_path):
     store = make_store(db, tmp_path, cpu_entries=0, write_back=True)
     store.put("a", encode(fake_chunk(9), "float32"))
-    with db.session() as s:
-        assert s.get(KVEntry, "a").on_disk  # nowhere in memory to wait for a flush
+    assert store.where("a") == ["disk"]  # nowhere in memory to wait for a flush
     assert store.get("a").tier == "disk"
 
 
@@ -203,16 +201,24 @@ def test_a_pin_survives_write_back_and_a_restart(db, tmp_path):
     assert "p" in make_store(db, tmp_path)._pinned
 
 
-def test_after_a_restart_gdsf_ranks_old_blobs_as_new_ones(db, tmp_path):
+def _costing(seed: int, cost_s: float):
+    entry = encode(fake_chunk(seed), "float32")
+    entry.cost_s = cost_s
+    return entry
+
+
+def test_gdsf_keeps_what_costs_most_to_recompute_and_its_order_survives_a_restart(db, tmp_path):
     first = make_store(db, tmp_path, cpu_entries=0, disk_entries=4, policy="gdsf")
-    for i in range(2):
-        first.put(f"old{i}", encode(fake_chunk(i), "float32"))
+    first.put("cheap", _costing(0, 0.01))  # same size: only the measured prefill cost and the hits differ
+    first.put("dear", _costing(1, 0.05))
+    for _ in range(2):
+        first.get("dear")
+    first.close()  # hits written
     reopened = make_store(db, tmp_path, cpu_entries=0, disk_entries=4, policy="gdsf")
-    for i in range(3):  # the third needs room
-        reopened.put(f"new{i}", encode(fake_chunk(10 + i), "float32"))
-    disk = reopened.blobs[0]
-    assert [disk.contains(f"new{i}") for i in range(3)] == [True] * 3  # an unused old one went first
-    assert not disk.contains("old0")
+    for i in range(4):  # the third and fourth need room
+        reopened.put(f"new{i}", _costing(10 + i, 0.02))
+    assert reopened.where("cheap") == [] and reopened.where("dear") == ["disk"]
+    assert sum(reopened.where(f"new{i}") == ["disk"] for i in range(4)) == 3
 
 
 def test_keys_separate_tenants_unless_sharing_is_on(db):
@@ -257,15 +263,16 @@ def test_killed_writer_leaves_every_row_with_a_valid_blob(db_url, tmp_path):
         proc.wait()
         start += 10_000
         db = Database(db_url)
-        store = make_store(db, tmp_path, grace=0.0)  # the writer is dead: every orphan can go
-        with db.session() as s:
-            rows = list(s.scalars(select(KVEntry)))
+        store = make_store(db, tmp_path, grace=0.0)  # the writer is dead: every put it left can go
         disk = store.blobs[0]
+        with db.session() as s:
+            rows = list(s.scalars(select(KVCopy).where(KVCopy.store == disk.store_id)))
         assert {r.key for r in rows} == set(disk.keys()), f"round {round_}: rows and blobs disagree"
         assert not list((tmp_path / "kv").glob("*/.*.tmp"))
         for r in rows:
             blob = disk.get(r.key)
             assert checksum(blob) == r.checksum and from_bytes(blob).token_ids.numel() == 64
+        assert store.stats()["tiers"][1]["used_bytes"] == sum(r.bytes for r in rows)
         assert all(store.get(r.key) is not None for r in rows[-5:])
         db.dispose()
     assert rows, "the writer never committed anything"
@@ -326,30 +333,27 @@ def _dead_redis_url() -> str:
 
 def test_a_dead_redis_tier_is_counted_and_served_around(db, tmp_path):
     memory = [MemoryTier("cpu", "cpu", 0)]
-    blobs = [DiskTier(tmp_path / "kv", 1 << 30), RedisTier(_dead_redis_url(), 1 << 30, prefix="x:")]
+    blobs = [DiskTier(tmp_path / "kv", 1 << 30), RedisTier(_dead_redis_url(), 1 << 30, "x")]
     store = TieredStore(db, memory, blobs, retry_s=0.0)  # starts: the dead tier is not judged, not fatal
     assert store.put("k", encode(fake_chunk(7), "float32"), best_effort=True)  # landed on disk
     hit = store.get("k")
     assert hit is not None and hit.tier == "disk"
     assert store.guard.errors["redis"] >= 1 and store.health() == {"cpu": True, "disk": True, "redis": False}
-    with db.session() as s:
-        row = s.get(KVEntry, "k")
-        assert row.on_disk and not row.in_redis
+    assert store.where("k") == ["disk"]
     assert store.stats()["tiers"][2]["errors"] == store.guard.errors["redis"]
 
 
-def test_recover_does_not_judge_an_unreachable_tier(db, tmp_path, redis_prefix):
-    make_store(db, tmp_path, redis_prefix=redis_prefix).put("k", encode(fake_chunk(8), "float32"))
-    blobs = [DiskTier(tmp_path / "kv", 1 << 30), RedisTier(_dead_redis_url(), 1 << 30, prefix=redis_prefix)]
-    TieredStore(db, [MemoryTier("cpu", "cpu", 1 << 30)], blobs)
-    with db.session() as s:
-        assert s.get(KVEntry, "k").in_redis  # the blob may well be there: this process cannot see it
+def test_recover_does_not_judge_an_unreachable_tier(db, tmp_path, redis_token):
+    make_store(db, tmp_path, redis_token=redis_token).put("k", encode(fake_chunk(8), "float32"))
+    blobs = [DiskTier(tmp_path / "kv", 1 << 30), RedisTier(_dead_redis_url(), 1 << 30, redis_token)]
+    store = TieredStore(db, [MemoryTier("cpu", "cpu", 1 << 30)], blobs, orphan_grace_s=0.0)
+    assert store.where("k") == ["disk", "redis"]  # the blob may well be there: this process cannot see it
 
 
 def test_without_a_working_blob_tier_a_durable_put_fails_loudly(db, tmp_path):
     from ragcache.store.tiered import StoreError
 
-    store = TieredStore(db, [MemoryTier("cpu", "cpu", 1 << 30)], [RedisTier(_dead_redis_url(), 1 << 30)])
+    store = TieredStore(db, [MemoryTier("cpu", "cpu", 1 << 30)], [RedisTier(_dead_redis_url(), 1 << 30, "x")])
     with pytest.raises(StoreError):
         store.put("k", encode(fake_chunk(9), "float32"), durable=True)
     assert not store.put("k", encode(fake_chunk(9), "float32"), best_effort=True)
