@@ -56,5 +56,7 @@ class _ServiceCollector:
         yield CounterMetricFamily("ragcache_recomputed_tokens", "Prompt tokens recomputed", value=tokens["recomputed"])
         yield CounterMetricFamily("ragcache_reused_tokens", "Prompt tokens served from cached KV",
                                   value=tokens["reused"])
+        yield CounterMetricFamily("ragcache_chunks_prefilled", "Chunks no tier held, prefilled for a request",
+                                  value=svc.generation.totals.chunks["prefilled"])
         yield GaugeMetricFamily("ragcache_queue_depth", "Requests waiting for the model", value=self.scheduler.waiting)
         yield GaugeMetricFamily("ragcache_running", "Requests on the model now", value=self.scheduler.running)

@@ -1,10 +1,13 @@
 """Load a Llama-family checkpoint: the default SmolLM2 GGUF (dequantized once) or a local HF dir.
 
-Only weights, config and tokenizer are loaded; the forward pass is ours (`runner.py`). The
-model fingerprint (config + tokenizer + weights + compute dtype) keys every cache entry.
+Only weights, config and tokenizer are loaded; the forward pass is ours (`runner.py`). Each thing
+is keyed by what it depends on: a chunk's token ids by the tokenizer (`tokenizer_id`), its KV by
+the model fingerprint (config + tokenizer + weights + compute dtype; the store adds the KV dtype).
+So a corpus tokenized on a float32 CPU box serves a bfloat16 GPU server, which computes its own KV.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -38,6 +41,11 @@ class Model:
     state: dict[str, torch.Tensor]
     fingerprint: str
     path: Path | None = None
+
+    @functools.cached_property
+    def tokenizer_id(self) -> str:
+        """What a chunk's token ids depend on: the tokenizer alone (not weights, not dtype)."""
+        return tokenizer_id(self.tokenizer)
 
     @property
     def device(self) -> torch.device:
@@ -167,6 +175,15 @@ def _weights_digest(state: dict[str, torch.Tensor]) -> str:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
         h.update(t.view(torch.uint8).numpy()) if t.numel() else None
     return h.hexdigest()
+
+
+def tokenizer_id(tokenizer) -> str:
+    """Hash of the tokenizer's vocabulary and rules ("" for id-only test models)."""
+    if tokenizer is None:
+        return ""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return xxhash.xxh3_128(text.encode()).hexdigest()[:24]
 
 
 def fingerprint(config, tokenizer, state: dict[str, torch.Tensor], weights_digest: str | None = None) -> str:

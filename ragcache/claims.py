@@ -50,17 +50,20 @@ def claim(db: Database, namespace: str | None, worker: str, n: int, lease: timed
         return [(r.id, r.namespace, r.token_ids, r.text) for r in rows]
 
 
-def next_retry(db: Database, namespace: str | None) -> float | None:
-    """Seconds until the earliest pending chunk's retry delay ends (None: no chunk waits for one)."""
+def next_wake(db: Database, namespace: str | None) -> float | None:
+    """Seconds until more work may be claimable: the earliest retry delay of a pending chunk, or the
+    earliest lease end of a chunk another worker holds (if that worker died, its chunk becomes ours
+    then; while it lives it renews the lease). None: no chunk waits for either."""
     with db.session() as s:
-        q = select(func.min(Chunk.retry_at)).where(Chunk.state == "pending", Chunk.retry_at.is_not(None))
+        retry = select(func.min(Chunk.retry_at)).where(Chunk.state == "pending", Chunk.retry_at.is_not(None))
+        held = select(func.min(Chunk.lease_until)).where(Chunk.state == "running")
         if namespace is not None:
-            q = q.where(Chunk.namespace == namespace)
-        first = s.scalar(q)
-        if first is None:
+            retry, held = retry.where(Chunk.namespace == namespace), held.where(Chunk.namespace == namespace)
+        times = [t for t in (s.scalar(retry), s.scalar(held)) if t is not None]
+        if not times:
             return None
         now = db_now(s, db)
-        first = first if first.tzinfo is not None else first.replace(tzinfo=now.tzinfo)
+        first = min(t if t.tzinfo is not None else t.replace(tzinfo=now.tzinfo) for t in times)
         return max(0.0, (first - now).total_seconds())
 
 

@@ -45,6 +45,7 @@ class Settings(BaseSettings):
     redis_cache_bytes: int = 4 << 30
     eviction: str = "gdsf"  # lru | gdsf
     write_policy: str = "write-through"  # write-through | write-back
+    orphan_grace_s: float = 60.0  # a blob put unfinished this long was cut off: swept at the next start
     share_across_namespaces: bool = False  # True: one cache entry per text for every tenant
 
     # corpus, retrieval, precompute
@@ -113,7 +114,7 @@ class Settings(BaseSettings):
         return v
 
     @field_validator("gpu_cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "redis_cache_bytes", "epic_k",
-                     "threads", "job_threads", "retry_backoff_s")
+                     "threads", "job_threads", "retry_backoff_s", "orphan_grace_s")
     @classmethod
     def _nonneg(cls, v: float) -> float:
         if v < 0:

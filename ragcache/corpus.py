@@ -17,7 +17,7 @@ from sqlalchemy import delete, select
 
 from .chunking import Document, read_documents
 from .errors import NotFound, UserError
-from .ingest import IngestReport, corpus_counts, ingest_documents
+from .ingest import IngestReport, corpus_counts, ingest_documents, same_tokenizer
 from .meta import Chunk, bump_index_versions
 from .meta import Document as DocRow
 
@@ -45,8 +45,8 @@ class Corpus:
         if not docs:
             raise UserError("no documents given")
         p = self.p
-        report = ingest_documents(p.db, p.tokenizer, p.model.fingerprint, docs, namespace, p.settings.chunk_tokens,
-                                  key_of=lambda ids: p.kv_key_of(torch.tensor(ids), namespace))
+        report = ingest_documents(p.db, p.tokenizer, same_tokenizer(p.model), docs, namespace,
+                                  p.settings.chunk_tokens, key_of=lambda ids: p.kv_key_of(torch.tensor(ids), namespace))
         if report.removed_chunk_ids:
             p.index.remove(namespace, np.asarray(report.removed_chunk_ids))
             p.index.save(namespace)

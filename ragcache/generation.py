@@ -23,7 +23,7 @@ from blend.prompt import as_ids, conversation
 from .corpus import Corpus, check_query
 from .errors import NotFound, UserError
 from .explain import explain
-from .ingest import unpack_ids
+from .ingest import same_tokenizer, unpack_ids
 from .meta import ModelDefault
 from .store import decode as decode_kv
 from .textstream import TextStream
@@ -54,6 +54,7 @@ class Totals:
     """What every request added up to (read by /metrics)."""
 
     tokens: Counter = field(default_factory=Counter)  # recomputed, reused, completion
+    chunks: Counter = field(default_factory=Counter)  # prefilled: a chunk no tier held, computed for a request
 
 
 class Generation:
@@ -106,6 +107,7 @@ class Generation:
                 tiers.append(hit.tier)
                 continue
             kv, stored = p.prefill_for_store(ids)
+            self.totals.chunks["prefilled"] += 1
             p.store.put(key, stored, best_effort=True)  # a full or failing tier: served anyway
             chunks.append(kv)
             tiers.append("computed")
@@ -196,7 +198,8 @@ class Generation:
                             f"{max_new} = {need}; lower top_k or max_tokens")
 
     def _check_model(self, chunks) -> None:
-        other = {c.model for c in chunks} - {self.p.model.fingerprint}
+        other = {c.model for c in chunks} - set(same_tokenizer(self.p.model))
         if other:
-            raise UserError("these chunks were tokenized for another model; re-ingest the corpus with this one")
+            raise UserError("these chunks were tokenized by another tokenizer; re-ingest the documents with this "
+                            "model (`ragcache ingest` re-tokenizes them)")
 

@@ -31,16 +31,27 @@ class IngestReport:
                 f"chunks: added={self.chunks_added} removed={self.chunks_removed}")
 
 
-def ingest_documents(db: Database, tokenizer, fingerprint: str, docs: list[Document], namespace: str,
+def same_tokenizer(model) -> list[str]:
+    """What a chunk row's `model` may hold for this model's tokenizer: its id, or (rows from before
+    the tokenizer had its own id) this very model's fingerprint."""
+    return [model.tokenizer_id, model.fingerprint]
+
+
+def ingest_documents(db: Database, tokenizer, tokenizer_ids: list[str], docs: list[Document], namespace: str,
                      max_tokens: int, key_of=None) -> IngestReport:
-    """`key_of(token_ids)`, when given, names the KV key a new chunk will have: a replaced document's
+    """`tokenizer_ids`: what chunks made by this tokenizer carry (the first is written); a document
+    whose chunks another tokenizer made is re-tokenized even if its text is unchanged.
+    `key_of(token_ids)`, when given, names the KV key a new chunk will have: a replaced document's
     entries that its new chunks will use again are kept (KV is keyed by content), not orphaned."""
     report, new_ids = IngestReport(), {}  # external id → its new chunks' token ids (the last version wins)
+    tokenizer_id = tokenizer_ids[0]
     with db.session() as s:
         existing = {d.external_id: d for d in s.scalars(select(DocRow).where(DocRow.namespace == namespace))}
+        foreign = set(s.scalars(select(Chunk.document_id).distinct().where(
+            Chunk.namespace == namespace, Chunk.model.not_in(tokenizer_ids))))
         for doc in docs:
             row = existing.get(doc.external_id)
-            if row is not None and row.text_hash == doc.text_hash:
+            if row is not None and row.text_hash == doc.text_hash and row.id not in foreign:
                 report.unchanged += 1
                 continue
             if row is not None:
@@ -63,7 +74,7 @@ def ingest_documents(db: Database, tokenizer, fingerprint: str, docs: list[Docum
             for spec in specs:
                 s.add(Chunk(document_id=row.id, namespace=namespace, ordinal=spec.ordinal, text=spec.text,
                             n_tokens=len(spec.token_ids), token_ids=pack_ids(spec.token_ids),
-                            model=fingerprint))
+                            model=tokenizer_id))
                 report.chunks_added += 1
         s.flush()
         if report.removed_chunk_ids:

@@ -109,7 +109,8 @@ def _worker_main(settings: dict, job_id: int, namespace: str | None, run: str, i
 
 
 def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=None) -> None:
-    """Claim a batch, process it, commit it; until nothing is left to claim (waiting out retry delays).
+    """Claim a batch, process it, commit it; until nothing is left to claim (waiting out retry delays
+    and the leases of chunks other workers hold).
 
     A chunk's store write (serialise, checksum, fsync) runs on a writer thread while the next
     chunk prefills; the batch commits only once its writes are durable. Leases are renewed meanwhile.
@@ -121,7 +122,7 @@ def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=Non
         while True:
             batch = claims.claim(db, namespace, worker, cfg.precompute_batch, lease, job_id)
             if not batch:
-                wait = claims.next_retry(db, namespace)
+                wait = claims.next_wake(db, namespace)
                 if wait is None:
                     return
                 time.sleep(min(wait + 0.05, 5.0))

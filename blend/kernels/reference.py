@@ -110,7 +110,7 @@ def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos:
         bulk, lse_b = _bulk(qb, kh[:, :, : blk.start], vh[:, :, : blk.start], scale)
         top = torch.maximum(lse_b, lse_d)
         wb, wd = (lse_b - top).exp().unsqueeze(-1), (lse_d - top).exp().unsqueeze(-1)  # (1, H, rows, 1)
-        outs.append((bulk * wb + diag * wd) / (wb + wd))
+        outs.append(((bulk * wb + diag * wd) / (wb + wd)).to(q.dtype))  # the weights are float32
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out[0].transpose(0, 1)
 

@@ -1,4 +1,5 @@
-"""Store load throughput beside plain copies of the same bytes; int8 vs bfloat16; LRU vs GDSF."""
+"""Store load throughput beside plain copies of the same bytes; int8 vs bfloat16; LRU vs GDSF (by
+measured prefill cost and by length) on a Zipf stream."""
 from __future__ import annotations
 
 import os
@@ -113,30 +114,53 @@ def _int8_vs_bf16(root: Path, repeats: int) -> None:
     print(table(rows, ["kv_dtype", "MB", "load ms", "max |error|"]))
 
 
-def _hit_rates(root: Path, requests: int = 10_000, chunks: int = 1000) -> None:
+def _prefill_seconds(settings, sizes: list[int], repeats: int) -> dict[int, float]:
+    """Measured prefill time of a chunk of each size on the configured model (median, interleaved)."""
+    from blend import Runner, compute_chunk, load_model
+
+    runner = Runner(load_model(settings.model, settings.home, settings.device, settings.dtype))
+    ids = {n: torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)) for n in sizes}
+    times = interleaved({n: (lambda n=n: compute_chunk(runner, ids[n])) for n in sizes}, repeats)
+    return {n: median(t) for n, t in times.items()}
+
+
+def _hit_rates(settings, root: Path, repeats: int, requests: int = 10_000, chunks: int = 1000) -> None:
+    """LRU vs GDSF on a Zipf stream; a miss costs the measured prefill of its chunk's length."""
+    grid = [64, 128, 256, 384, 512]
+    measured = _prefill_seconds(settings, grid, repeats)
     rng = np.random.default_rng(0)
     ranks = rng.zipf(1.1, size=requests * 3)
     stream = [int(r) - 1 for r in ranks if r <= chunks][:requests]
     sizes = rng.integers(64, 513, size=chunks)  # chunks hold 64..512 tokens
+    cost = {i: float(np.interp(sizes[i], grid, [measured[n] for n in grid])) for i in range(chunks)}
     tiny = {i: _chunk(i, n=int(sizes[i])) for i in range(chunks)}
     tiny = {i: ChunkKV(c.token_ids, c.k[:1, :1, :, :4].clone(), c.v[:1, :1, :, :4].clone(), 0, "")
             for i, c in tiny.items()}  # bytes ∝ tokens, kept small to run fast
     room = sum(encode(c, "float32").nbytes for c in tiny.values()) // 10
     rows = []
-    for policy in ("lru", "gdsf"):
-        db = Database(f"sqlite:///{root / f'zipf-{policy}.db'}")
-        store = TieredStore(db, [MemoryTier("cpu", "cpu", room)], [DiskTier(root / f"zipf-{policy}", 1 << 40)],
+    for policy, measured_cost in (("lru", False), ("gdsf", False), ("gdsf", True)):
+        name = f"{policy}-{'measured' if measured_cost else 'tokens'}"
+        db = Database(f"sqlite:///{root / f'zipf-{name}.db'}")
+        store = TieredStore(db, [MemoryTier("cpu", "cpu", room)], [DiskTier(root / f"zipf-{name}", 1 << 40)],
                             policy=policy)
+        spent = 0.0
         for i in stream:
             if store.memory[0].contains(f"c{i}"):
                 store.get(f"c{i}")
-            else:
-                store.put(f"c{i}", encode(tiny[i], "float32"))  # a miss: recomputed and stored
-        hits = store.hits["cpu"]
-        rows.append([policy, hits / len(stream)])
+                continue
+            spent += cost[i]  # a miss: recomputed and stored
+            entry = encode(tiny[i], "float32")
+            entry.cost_s = cost[i] if measured_cost else None  # None: cost = its length in tokens
+            store.put(f"c{i}", entry)
+        everything = sum(cost[i] for i in stream)
+        rows.append([policy, "measured prefill s" if measured_cost else "tokens", store.hits["cpu"] / len(stream),
+                     spent, 1 - spent / everything])
         db.dispose()
-    print(f"\nZipf(1.1) over {chunks} chunks of 64–512 tokens, {len(stream)} requests, CPU tier holds 10% of the bytes")
-    print(table(rows, ["policy", "cpu hit rate"]))
+    print("\nprefill seconds by chunk length (this model, median of %d)" % repeats)
+    print(table([[n, measured[n], measured[n] / n * 1000] for n in grid], ["tokens", "s", "ms per token"]))
+    print(f"\nZipf(1.1) over {chunks} chunks of 64–512 tokens, {len(stream)} requests, CPU tier holds 10% of the "
+          "bytes; a miss costs its measured prefill")
+    print(table(rows, ["policy", "cost", "cpu hit rate", "recompute s", "prefill time saved"]))
 
 
 def run(settings, args) -> int:
@@ -144,5 +168,5 @@ def run(settings, args) -> int:
         root = Path(tmp)
         _throughput(root, args.repeats)
         _int8_vs_bf16(root, args.repeats)
-        _hit_rates(root)
+        _hit_rates(settings, root, args.repeats)
     return 0

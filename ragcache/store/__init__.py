@@ -32,4 +32,5 @@ def open_store(settings: Settings, db: Database) -> TieredStore:
 
         token = ensure_store(db, STORE_ID, secrets.token_hex(8))  # this deployment's key prefix, made once
         blobs.append(RedisTier(settings.redis_url, settings.redis_cache_bytes, token))
-    return TieredStore(db, memory, blobs, policy=settings.eviction, write_back=settings.write_policy == "write-back")
+    return TieredStore(db, memory, blobs, policy=settings.eviction, write_back=settings.write_policy == "write-back",
+                       orphan_grace_s=settings.orphan_grace_s)

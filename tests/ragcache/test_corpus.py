@@ -60,22 +60,26 @@ def test_readers_and_their_errors(tmp_path):
 def test_reingest_is_idempotent_and_a_changed_document_is_replaced(db, smollm):
     tok = smollm.tokenizer
     docs = [Document("a", "", LONG), Document("b", "", "Short text about Paris.")]
-    first = ingest_documents(db, tok, "fp", docs, "ns", 64)
+    first = ingest_documents(db, tok, ["fp"], docs, "ns", 64)
     assert first.added == 2 and first.chunks_added > 2
     with db.session() as s:
         before = {(c.document_id, c.ordinal): c.id for c in s.scalars(select(Chunk))}
-    again = ingest_documents(db, tok, "fp", docs, "ns", 64)
+    again = ingest_documents(db, tok, ["fp"], docs, "ns", 64)
     assert (again.added, again.unchanged, again.chunks_added) == (0, 2, 0)
     with db.session() as s:
         assert {(c.document_id, c.ordinal): c.id for c in s.scalars(select(Chunk))} == before
         s.execute(Chunk.__table__.update().where(Chunk.text.like("Short%")).values(state="done", kv_key="k-b"))
-    changed = ingest_documents(db, tok, "fp", [docs[0], Document("b", "", "Short text about Rome.")], "ns", 64)
+    changed = ingest_documents(db, tok, ["fp"], [docs[0], Document("b", "", "Short text about Rome.")], "ns", 64)
     assert (changed.replaced, changed.unchanged) == (1, 1) and changed.orphan_kv_keys == ["k-b"]
     with db.session() as s:
         texts = [c.text for c in s.scalars(select(Chunk).where(Chunk.text.like("Short%")))]
         assert texts == ["Short text about Rome."]
-    other_ns = ingest_documents(db, tok, "fp", docs, "ns2", 64)
+    other_ns = ingest_documents(db, tok, ["fp"], docs, "ns2", 64)
     assert other_ns.added == 2  # namespaces never share documents
+    retokenized = ingest_documents(db, tok, ["another tokenizer"], docs, "ns2", 64)
+    assert (retokenized.replaced, retokenized.unchanged) == (2, 0)  # same text, new tokenizer: not a no-op
+    with db.session() as s:
+        assert set(s.scalars(select(Chunk.model).where(Chunk.namespace == "ns2"))) == {"another tokenizer"}
 
 
 def test_processes_starting_together_on_a_fresh_postgresql_take_turns():
@@ -108,3 +112,21 @@ def test_a_database_newer_than_the_code_is_refused_by_name(tmp_path):
     db.dispose()
     with pytest.raises(UserError, match="newer than this ragcache"):
         Database(url)
+
+
+def test_a_corpus_ingested_in_float32_serves_a_bfloat16_model(tmp_path, smollm):
+    """Chunks depend on the tokenizer, KV on weights and dtypes: the other dtype computes its own KV."""
+    from ragcache import RagCache, Settings
+    from ragcache.precompute import run_precompute
+
+    docs = [Document("a", "", "Short text about Rome."), Document("b", "", "Short text about Paris.")]
+    settings = Settings(home=tmp_path, model=str(smollm.path), dtype="float32")
+    with RagCache(settings) as cpu:
+        cpu.corpus.ingest_documents(docs)
+    run_precompute(settings, progress=False)
+    bf16 = RagCache(Settings(home=tmp_path, model=str(smollm.path), dtype="bfloat16"))
+    assert bf16.model.tokenizer_id == smollm.tokenizer_id and bf16.model.fingerprint != smollm.fingerprint
+    out = bf16.generate("What is Paris?", top_k=2, max_new_tokens=2)
+    assert out["answer"] and {c["tier"] for c in out["chunks"]} == {"computed"}  # its own KV, not float32's
+    assert bf16.corpus.ingest_documents(docs).unchanged == 2  # nothing to re-ingest
+    bf16.close()
