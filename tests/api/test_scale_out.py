@@ -92,7 +92,7 @@ def test_workers_on_two_hosts_one_killed_every_chunk_done_once_and_durable(share
     extra = {"RAGCACHE_DATABASE_URL": shared_db, "RAGCACHE_REDIS_URL": REDIS_URL, "RAGCACHE_LEASE_SECONDS": 10,
              "RAGCACHE_PRECOMPUTE_BATCH": 1, "RAGCACHE_ORPHAN_GRACE_S": 0, "RAGCACHE_CHUNK_TOKENS": 96}
     env_a, env_b = (server_env(tmp_path / h / "home", smollm, **extra) for h in ("a", "b"))
-    docs = write_jsonl(tmp_path / "docs.jsonl", demo_docs(6, 6, "w-"))
+    docs = write_jsonl(tmp_path / "docs.jsonl", demo_docs(4, 8, "w-"))
     r = subprocess.run([sys.executable, "-m", "ragcache.cli", "ingest", str(docs), "--namespace", NS], env=env_a,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
