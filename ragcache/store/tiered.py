@@ -31,7 +31,7 @@ from .codec import CorruptBlob, StoredKV, checksum, from_bytes, to_bytes
 from .faults import FAILED as _FAILED
 from .faults import TierGuard
 from .ledger import Ledger, adopt_legacy, copies_of
-from .policy import make_policy
+from .ladder import MemoryLadder, cost_of
 from .tier import Tier
 
 _UNBOUNDED = 1 << 62  # a pinned entry's room in a blob store that has none left
@@ -60,7 +60,6 @@ class TieredStore:
         self.db, self.memory, self.blobs = db, memory_tiers, blob_tiers
         self.tiers = memory_tiers + blob_tiers
         self.write_back = write_back
-        self._policy = {t.name: make_policy(policy) for t in memory_tiers}
         self._books = {t.name: Ledger(db, t.store_id, policy) for t in blob_tiers}
         self._lock = threading.RLock()
         self._pinned: set[str] = set()
@@ -70,6 +69,7 @@ class TieredStore:
         self.misses: Counter[str] = Counter()
         self.evictions: Counter[str] = Counter()
         self.corrupt: Counter[str] = Counter()
+        self.ladder = MemoryLadder(memory_tiers, policy, self._lock, self._pinned, self.evictions, self._spill)
         self.guard = TierGuard(retry_s)
         self._io = self.guard.call
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-load")
@@ -96,11 +96,11 @@ class TieredStore:
         except Exception as e:  # noqa: BLE001 — best effort: any fault of any tier, the entry still serves
             if not best_effort:
                 raise
-            self._admit(key, entry)
+            self.ladder.admit(key, entry)
             log.debug("%s not stored durably: %s", key, e)
             return False
-        self._admit(key, entry)
-        if deferred and not any(t.contains(key) for t in self.memory):
+        self.ladder.admit(key, entry)
+        if deferred and not self.ladder.holds(key):
             self._persist(key, entry)  # no memory tier took it: write back now or lose it
         return True
 
@@ -132,7 +132,7 @@ class TieredStore:
         if nbytes > capacity and not pinned:
             raise StoreFull(f"{key} ({nbytes} bytes) is larger than the whole {tier.name} tier")
         def reserved(room: int) -> bool:
-            return book.reserve(key, nbytes, room, entry.token_ids.numel(), entry.kv_dtype, _cost(entry), pinned)
+            return book.reserve(key, nbytes, room, entry.token_ids.numel(), entry.kv_dtype, cost_of(entry), pinned)
 
         while not reserved(capacity):
             victims = book.victims(8, skip=self._pinned | {key})
@@ -151,49 +151,15 @@ class TieredStore:
             with self._lock:
                 self.evictions[tier.name] += 1
 
-    def _admit(self, key: str, entry: StoredKV, below: int | None = None) -> None:
-        """Insert into the memory tiers above index `below` (all of them by default)."""
-        for tier in self.memory[:below]:
-            self._admit_one(tier, key, entry)
-
-    def _admit_one(self, tier, key: str, entry: StoredKV) -> bool:
-        """Into one memory tier, making room; False when it does not fit (only pinned entries left)."""
-        if entry.nbytes > tier.capacity_bytes():
-            return False
-        with self._lock:
-            self._make_room(tier, entry.nbytes, key)
-            if tier.used_bytes() + entry.nbytes > tier.capacity_bytes():
-                return False  # pinned or not: pins never push a memory tier past its capacity
-            tier.put(key, entry)
-            self._policy[tier.name].touch(key, entry.nbytes, _cost(entry))
-            return True
-
-    def _make_room(self, tier, incoming: int, incoming_key: str) -> None:
-        """Evict (demote) unpinned entries of a memory tier until `incoming` bytes fit."""
-        while True:
-            with self._lock:
-                if tier.used_bytes() + incoming <= tier.capacity_bytes():
-                    return
-                victim = self._policy[tier.name].victim(skip=self._pinned | {incoming_key})
-                if victim is None:
-                    return
-                value = tier.get(victim)
-                self._policy[tier.name].remove(victim)  # no other thread picks it now
-                tier.delete(victim)
-                self.evictions[tier.name] += 1
-            self._demoted(tier, victim, value)
-
-    def _demoted(self, tier, key: str, value) -> None:
-        """After `key` left memory tier `tier`: kept one level down, or written back if it was dirty."""
-        lower = self.memory[self.memory.index(tier) + 1 :]
-        kept = any(t.contains(key) for t in lower) or bool(lower and self._admit_one(lower[0], key, value))
-        if not kept and key in self._dirty:
-            self._persist(key, value)
+    def _spill(self, key: str, entry: StoredKV) -> None:
+        """An entry that left the last memory tier: written now if it was waiting for write-back."""
+        if key in self._dirty:
+            self._persist(key, entry)
 
     def flush(self) -> None:
         """Write-back entries made durable; pending hit counts written to their rows."""
         for key in list(self._dirty):
-            entry = next((t.get(key) for t in self.memory if t.contains(key)), None)
+            entry = self.ladder.find(key)
             if entry is not None:
                 self._persist(key, entry)
         self._write_hits()
@@ -225,7 +191,7 @@ class TieredStore:
                 self.misses[tier.name] += 1
                 continue
             self._record_hit(tier, key, entry)
-            self._admit(key, entry, below=i)  # promote into the tiers above
+            self.ladder.admit(key, entry, below=i)  # promote into the tiers above
             return Hit(entry, tier.name)
         found = copies_of(self.db, key, [t.store_id for t in self.blobs])
         for tier in self.blobs:
@@ -236,7 +202,7 @@ class TieredStore:
                 continue
             entry.cost_s = copy[1]
             self._record_hit(tier, key, entry)
-            self._admit(key, entry)
+            self.ladder.admit(key, entry)
             return Hit(entry, tier.name)
         return None
 
@@ -264,14 +230,14 @@ class TieredStore:
         with self._lock:
             self.hits[tier.name] += 1
             self._pending_hits[tier.name, key] += 1
-            if not tier.holds_blobs and tier.contains(key):  # not evicted meanwhile: never re-rank a gone key
-                self._policy[tier.name].touch(key, entry.nbytes, _cost(entry))
+            if not tier.holds_blobs:
+                self.ladder.touch(tier, key, entry)
             due = len(self._pending_hits) >= 256
         if due:
             self._write_hits()
 
     def contains(self, key: str) -> bool:
-        return any(t.contains(key) for t in self.memory) or bool(
+        return self.ladder.holds(key) or bool(
             copies_of(self.db, key, [t.store_id for t in self.blobs]))
 
     def where(self, key: str) -> list[str]:
@@ -286,9 +252,7 @@ class TieredStore:
         with self._lock:
             self._pinned.discard(key)
             self._dirty.discard(key)
-            for tier in self.memory:
-                self._policy[tier.name].remove(key)
-                tier.delete(key)
+        self.ladder.remove(key)
         for tier in self.blobs:
             if self._books[tier.name].drop(key):
                 self._io(tier, tier.delete, key)
@@ -336,10 +300,7 @@ class TieredStore:
             for key in keys:
                 self._evict_blob(tier, key)
             return len(keys)
-        with self._lock:
-            keys = [k for k in tier.keys() if k not in self._pinned]
-        self._make_room(tier, tier.capacity_bytes() + 1, "")  # evicts every unpinned entry, demoting it
-        return len(keys)
+        return self.ladder.empty(tier)
 
     def health(self) -> dict[str, bool]:
         """tier → reachable now."""
@@ -360,7 +321,3 @@ class TieredStore:
         self.flush()
         self._pool.shutdown(wait=True)
 
-
-def _cost(entry: StoredKV) -> float:
-    """What recomputing the entry costs: its measured prefill seconds, else its length in tokens."""
-    return entry.cost_s if entry.cost_s is not None else float(entry.token_ids.numel())
