@@ -108,7 +108,7 @@ def _gates(dev: torch.device, dtype: torch.dtype) -> list[list]:
     errs["batched decode = alone"] = worst
     for r in batched + alone:
         runner.release(r.cache)
-    rows = [[f"gate {label}: {k}", "pass" if e <= tol else "FAIL", f"max |Δ|/max|ref| {e:.2e} (tol {tol:g})"]
+    rows = [[f"gate {label}: {k}", "pass" if e <= tol else "FAIL", f"max abs(Δ) / max abs(ref) {e:.2e} (tol {tol:g})"]
             for k, e in errs.items()]
     for r in rows:
         print(" ".join(r), flush=True)
