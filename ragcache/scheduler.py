@@ -8,7 +8,9 @@ retrieval (FAISS) and loading chunk KV from the store tiers, so that they overla
 also runs `submit`'s work items. The model thread loops over steps:
 
     admit   prepared requests, first come first served, while their KV fits RAGCACHE_KV_BUDGET_BYTES
-    prefill the admitted ones whose recomputed rows fit RAGCACHE_MAX_STEP_ROWS (one at least), batched
+    prefill the admitted ones whose recomputed rows fit RAGCACHE_MAX_STEP_ROWS (one at least), batched;
+            a longer one whose rows are fixed (every policy but cacheblend, whose filter ranks them all
+            at once) is recomputed in pieces of that many rows, one piece a step
     decode  one token of every running sequence, batched; finished or cancelled ones release their
             cache and budget at once
 
@@ -29,7 +31,9 @@ from typing import Any, Callable
 
 import torch
 
-from blend.batch import decode_batch, fuse_batch
+from blend.batch import Rows, decode_batch, forward_batch, fuse_batch
+from blend.fuse import finish_fused, stage
+from blend.runner import Selected
 
 from .errors import Busy, UserError
 from .sequence import Sequence
@@ -62,6 +66,7 @@ class Scheduler:
         self._ready: deque = deque()  # (ticket, Prepared): retrieved and loaded, waiting for KV budget
         self._admitted: deque = deque()  # (ticket, Prepared): budget reserved, waiting for their prefill
         self._running: list[tuple[Ticket, Sequence]] = []
+        self._piecewise: list | None = None  # [ticket, prep, Staged, rows done, start]: a long prompt in pieces
         self._waiting = 0
         self._busy_work = 0  # `submit` items running on the prep thread
         self._kv_in_use = 0
@@ -82,7 +87,7 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._admitted) + len(self._running) + self._busy_work
+        return len(self._admitted) + len(self._running) + self._busy_work + (self._piecewise is not None)
 
     @property
     def kv_in_use(self) -> int:
@@ -159,7 +164,7 @@ class Scheduler:
     def _model_loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stop and not (self._ready or self._admitted or self._running):
+                while not self._stop and not (self._ready or self._admitted or self._running or self._piecewise):
                     self._cond.wait()
                 if self._stop:
                     return
@@ -168,7 +173,9 @@ class Scheduler:
                 batch = self._take_prefill()
             try:
                 self._share_cores()
-                if batch:
+                if self._piecewise is not None:
+                    self._prefill_piece()
+                elif batch:
                     self._prefill(batch)
                 self._decode_step()
             except Exception:  # noqa: BLE001 — the thread outlives anything one step does, emits included
@@ -197,9 +204,16 @@ class Scheduler:
 
     def _take_prefill(self) -> list:
         cap, rows, batch = self.service.settings.max_step_rows, 0, []
+        if self._piecewise is not None:
+            return batch
         while self._admitted:
-            n = self._admitted[0][1].recompute_rows(self.service.runner.num_layers)
+            plan = self._admitted[0][1].plan(self.service.runner.num_layers)
+            n = plan.rows.numel()
             if batch and rows + n > cap:
+                break
+            if n > cap and plan.row_filter is None and not batch:  # too long for one step: in pieces
+                ticket, prep = self._admitted.popleft()
+                self._piecewise = [ticket, prep, None, 0, time.perf_counter()]
                 break
             batch.append(self._admitted.popleft())
             rows += n
@@ -221,6 +235,38 @@ class Scheduler:
         for (ticket, prep), f in zip(batch, fused):
             self._running.append((ticket, Sequence(prep, f, self.service.tokenizer,
                                                    lambda delta, t=ticket: t.emit("text", delta))))
+
+    def _prefill_piece(self) -> None:
+        """The next RAGCACHE_MAX_STEP_ROWS rows of a long prompt's recompute: its rows are fixed and
+        each piece attends to the pieces before it in the cache, so the pieces add up to one pass."""
+        ticket, prep, staged, done, start = self._piecewise
+        runner, cap = self.service.runner, self.service.settings.max_step_rows
+        try:
+            if staged is None:
+                prep.times["admitted"] = start
+                staged = self._piecewise[2] = stage(runner, *prep.fuse_args())
+            if ticket.cancelled.is_set():
+                self._piecewise = None
+                self._release(prep.kv_bytes, staged.cache)
+                ticket.emit("cancelled", None)
+                return
+            rows = staged.plan.rows[done : done + cap]
+            out = forward_batch(runner, [Rows(staged.cache, staged.token_ids[rows], rows)])[0]
+        except Exception as e:  # noqa: BLE001 — this request fails; the others run on
+            log.exception("a piecewise prefill failed")
+            self._piecewise = None
+            self._release(prep.kv_bytes, staged.cache if staged is not None else None)
+            ticket.emit("error", e)
+            return
+        self._piecewise[3] = done = done + rows.numel()
+        if done < staged.plan.rows.numel():
+            return
+        self._piecewise = None
+        every = [staged.plan.rows] * runner.num_layers  # fixed rows: the same set on every layer
+        fused = finish_fused(runner, staged, Selected(out.logits, every, every), time.perf_counter() - start)
+        self.stats.prefill_batch.observe(1)
+        self._running.append((ticket, Sequence(prep, fused, self.service.tokenizer,
+                                               lambda delta, t=ticket: t.emit("text", delta))))
 
     def _decode_step(self) -> None:
         live, tokens = [], []
@@ -290,7 +336,8 @@ class Scheduler:
             self._stop = True
             self._cond.notify()
         self._model_thread.join(timeout=60)
-        for ticket, _ in [*self._ready, *self._admitted, *self._running]:
+        piecewise = [tuple(self._piecewise[:2])] if self._piecewise is not None else []
+        for ticket, _ in [*self._ready, *self._admitted, *self._running, *piecewise]:
             ticket.emit("cancelled", None)
         self._ready.clear(), self._admitted.clear(), self._running.clear()
         while True:

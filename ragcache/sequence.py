@@ -38,9 +38,9 @@ class Prepared:
     def prompt_tokens(self) -> int:
         return len(self.prefix) + sum(len(c) for c in self.chunks) + self.suffix.numel()
 
-    def recompute_rows(self, num_layers: int) -> int:
-        """Rows the policy recomputes from layer 0: what the scheduler's per-step cap counts."""
-        return int(self.policy.plan(layout_of(self.prefix, self.chunks, self.suffix.numel()), num_layers).rows.numel())
+    def plan(self, num_layers: int):
+        """The policy's Plan for this prompt: its rows from layer 0 are what the scheduler's per-step cap counts."""
+        return self.policy.plan(layout_of(self.prefix, self.chunks, self.suffix.numel()), num_layers)
 
     def fuse_args(self) -> tuple:
         """(prefix_kv, chunk_kvs, suffix_ids, policy, headroom) for `fuse_and_prefill` / `fuse_batch`."""

@@ -50,9 +50,10 @@ def test_eight_concurrent_clients_get_what_each_gets_alone(api_server):
 
 @pytest.fixture(scope="module")
 def budget_server(corpus_home, tmp_path_factory, smollm):
-    """A budget that holds two requests of 2 chunks (~1.2K tokens x 46 KB each), not three."""
+    """A budget that holds two requests of 2 chunks (~1.2K tokens x 46 KB each), not three; and 256
+    recomputed rows a step, so that a long fixed-row prefill runs in pieces."""
     server = start_server(copy_home(corpus_home, tmp_path_factory.mktemp("budget")), smollm,
-                          RAGCACHE_KV_BUDGET_BYTES=130_000_000)
+                          RAGCACHE_KV_BUDGET_BYTES=130_000_000, RAGCACHE_MAX_STEP_ROWS=256)
     yield server
     server.stop()
 
@@ -71,3 +72,13 @@ def test_a_request_that_could_never_fit_the_budget_is_a_400(budget_server):
     r = _post(budget_server, _bodies(budget_server, 1, top_k=6)[0])
     assert r.status_code == 400
     assert "RAGCACHE_KV_BUDGET_BYTES" in r.json()["error"]["message"]
+
+
+def test_a_prefill_in_pieces_answers_as_one_pass(budget_server, api_server):
+    """full and prefix recompute ~1.1K and ~600 rows: in pieces of 256 rows on one server, in one pass on
+    the other (default cap): the same answers."""
+    for mode in ("full", "prefix"):
+        body = {"query": QUESTIONS[1], "mode": mode, "top_k": 2, "max_tokens": 10, "ignore_eos": True}
+        pieces = _post(budget_server, {**body, "namespace": budget_server.namespace}).json()
+        whole = _post(api_server, {**body, "namespace": api_server.namespace}).json()
+        assert pieces["answer"] == whole["answer"] and pieces["usage"] == whole["usage"]
