@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test bench gpu-check
 setup: $(STAMP)
 
 # torch first: a CPU build lies on this machine's disk; a bare `torch` would pull a CUDA build.
@@ -22,3 +22,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# On a CUDA machine, nothing to install (torch, triton, transformers, xxhash, pytest are enough; no
+# registry): the Triton kernel tests natively, the exactness gates in float32 and bfloat16, `bench blend`
+# and `bench serve` on a random Llama-3-8B-shaped model, one summary table. Without CUDA it runs the
+# kernel tests (interpreter) and the gates, then stops where CUDA is required and says so.
+GPU_PY := $(shell test -x $(PY) && echo $(PY) || echo python3)
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PY) -m ragcache.bench.gpu

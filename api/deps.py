@@ -1,4 +1,4 @@
-"""What routes share: the app's service, and running one generation on the model thread."""
+"""What routes share: the app's service, and a generation queued on the scheduler."""
 from __future__ import annotations
 
 import time
@@ -21,9 +21,8 @@ async def start_generation(request: Request, ask: Ask) -> tuple[TicketStream, tu
     Errors found before the first token (a bad mode, an empty namespace, a prompt over the
     context) are raised here, so the client gets a proper 4xx, not a stream that fails.
     """
-    svc = service(request)
-    stream = TicketStream(request.app.state.scheduler, lambda t: svc.generation.generate(
-        ask, on_text=lambda delta: t.emit("text", delta), cancelled=t.cancelled.is_set))
+    scheduler = request.app.state.scheduler
+    stream = TicketStream(lambda on_event: scheduler.submit_generation(ask, on_event))
     first = await stream.next(request)
     if first[0] == "error":
         raise from_exception(first[1])
@@ -39,6 +38,8 @@ def record(request: Request, route: str, ask: Ask, result: dict) -> None:
         "finish_reason": result["finish_reason"]})
 
 
-async def on_model_thread(request: Request, work):
-    """Run short `work()` on the model thread (tokenizing: the tokenizer is not shared across threads)."""
-    return await TicketStream(request.app.state.scheduler, lambda _t: work()).result(request)
+async def on_prep_thread(request: Request, work):
+    """Run `work()` on the scheduler's prep thread, in line with requests' retrieval (the tokenizer and the
+    embedder are used by one thread at a time)."""
+    scheduler = request.app.state.scheduler
+    return await TicketStream(lambda on_event: scheduler.submit(lambda _t: work(), on_event)).result(request)

@@ -2,12 +2,12 @@
 
 Request-level series are observed here (TTFT and request histograms by mode, requests by route
 and status); the rest is read from the service when scraped: store lookups by tier and result,
-corrupt blobs, tier faults, tokens reused and recomputed, the queue.
+corrupt blobs, tier faults, tokens reused and recomputed, the queue, the scheduler's batches and KV budget.
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60)
 
@@ -59,4 +59,16 @@ class _ServiceCollector:
         yield CounterMetricFamily("ragcache_chunks_prefilled", "Chunks no tier held, prefilled for a request",
                                   value=svc.generation.totals.chunks["prefilled"])
         yield GaugeMetricFamily("ragcache_queue_depth", "Requests waiting for the model", value=self.scheduler.waiting)
-        yield GaugeMetricFamily("ragcache_running", "Requests on the model now", value=self.scheduler.running)
+        yield GaugeMetricFamily("ragcache_running", "Requests admitted to the model (prefilling or decoding)",
+                                value=self.scheduler.running)
+        yield GaugeMetricFamily("ragcache_kv_budget_bytes", "RAGCACHE_KV_BUDGET_BYTES", value=self.scheduler.kv_budget)
+        yield GaugeMetricFamily("ragcache_kv_in_use_bytes", "KV budget reserved by admitted requests",
+                                value=self.scheduler.kv_in_use)
+        stats = self.scheduler.stats
+        yield GaugeMetricFamily("ragcache_kv_peak_bytes", "The most KV budget reserved at once", value=stats.kv_peak)
+        for name, doc, tally in (
+                ("ragcache_decode_batch_size", "Sequences per batched decode step", stats.decode_batch),
+                ("ragcache_prefill_batch_size", "Requests per batched prefill (recompute)", stats.prefill_batch),
+                ("ragcache_queue_wait_seconds", "Submitted to admitted (retrieval and KV loading included)",
+                 stats.queue_wait)):
+            yield HistogramMetricFamily(name, doc, buckets=tally.cumulative(), sum_value=tally.sum)

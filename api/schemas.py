@@ -49,6 +49,7 @@ class Usage(BaseModel):
 class Timings(BaseModel):
     retrieve: float
     load: float
+    queue: float = Field(default=0.0, description="waiting for the KV budget and a scheduler step")
     blend: float
     ttft: float
     decode: float

@@ -3,7 +3,7 @@
 The scheduler calls back from its thread; events cross into the loop with call_soon_threadsafe.
 A client that goes away cancels its ticket: a streaming response's generator is cancelled by
 Starlette when the client disconnects, and a plain request polls for the disconnect while it
-waits; either way the model thread drops it at its next token (or never starts it).
+waits; either way the scheduler drops it from the batch at its next step (or never starts it).
 """
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ class ClientGone(Exception):
 
 
 class TicketStream:
-    def __init__(self, scheduler, work: Callable):
+    def __init__(self, submit: Callable):
+        """`submit(on_event)` queues the work (a scheduler's submit or submit_generation) → its ticket."""
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self.ticket = scheduler.submit(work, self._on_event)  # Busy → 429 before anything starts
+        self.ticket = submit(self._on_event)  # Busy → 429 before anything starts
 
     def _on_event(self, kind: str, payload: Any) -> None:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, (kind, payload))

@@ -12,7 +12,7 @@ from . import kernels
 from .cache import KVCache
 from .chunk import ALONE, ChunkKV, PrefixKV
 from .rope import delta_cos_sin
-from .runner import Runner
+from .runner import Runner, Selected
 from .select import Layout, Plan
 
 
@@ -94,13 +94,20 @@ def _needed(layout: Layout, plan: Plan) -> list[bool]:
     return (inside != spans.diff(dim=1)[:, 0]).tolist()
 
 
-def fuse_and_prefill(runner: Runner, prefix_kv: PrefixKV | None, chunk_kvs: list[ChunkKV],
-                     suffix_ids: torch.Tensor, policy, headroom: int = 0) -> FusedResult:
-    """Prefill [prefix] + chunks + suffix from cached KV, recomputing the rows `policy` selects.
+@dataclass
+class Staged:
+    """A fused prefill up to its recompute: the cache assembled, the rows to recompute planned."""
 
-    suffix_ids (S,) must be non-empty: its last row yields the first token's logits.
-    `headroom` reserves cache rows for decoding.
-    """
+    layout: Layout
+    plan: Plan
+    cache: KVCache
+    token_ids: torch.Tensor  # (T,) the whole prompt
+    assemble_s: float
+
+
+def stage(runner: Runner, prefix_kv: PrefixKV | None, chunk_kvs: list[ChunkKV], suffix_ids: torch.Tensor, policy,
+          headroom: int = 0) -> Staged:
+    """Lay out, plan and assemble (see `fuse_and_prefill`); the recompute is left to the caller."""
     if suffix_ids.numel() == 0:
         raise ValueError("the query suffix must hold at least one token")
     t0 = time.perf_counter()
@@ -109,9 +116,23 @@ def fuse_and_prefill(runner: Runner, prefix_kv: PrefixKV | None, chunk_kvs: list
     cache = assemble(runner, prefix_kv, chunk_kvs, layout, _needed(layout, plan), headroom)
     parts = ([prefix_kv.token_ids] if prefix_kv is not None else []) + [c.token_ids for c in chunk_kvs]
     token_ids = torch.cat([*parts, suffix_ids.cpu()])
-    t1 = time.perf_counter()
-    out = runner.forward_selected(cache, token_ids[plan.rows], plan.rows, deviation_layers=plan.deviation_layers,
-                                  row_filter=plan.row_filter)
-    t2 = time.perf_counter()
-    return FusedResult(out.logits, cache, token_ids, layout, out.kv_rows, out.out_rows, runner.row_work(),
-                       {"assemble": t1 - t0, "recompute": t2 - t1}, out.deviations)
+    return Staged(layout, plan, cache, token_ids, time.perf_counter() - t0)
+
+
+def finish_fused(runner: Runner, staged: Staged, out: Selected, recompute_s: float) -> FusedResult:
+    return FusedResult(out.logits, staged.cache, staged.token_ids, staged.layout, out.kv_rows, out.out_rows,
+                       runner.row_work(), {"assemble": staged.assemble_s, "recompute": recompute_s}, out.deviations)
+
+
+def fuse_and_prefill(runner: Runner, prefix_kv: PrefixKV | None, chunk_kvs: list[ChunkKV],
+                     suffix_ids: torch.Tensor, policy, headroom: int = 0) -> FusedResult:
+    """Prefill [prefix] + chunks + suffix from cached KV, recomputing the rows `policy` selects.
+
+    suffix_ids (S,) must be non-empty: its last row yields the first token's logits.
+    `headroom` reserves cache rows for decoding.
+    """
+    s = stage(runner, prefix_kv, chunk_kvs, suffix_ids, policy, headroom)
+    t0 = time.perf_counter()
+    out = runner.forward_selected(s.cache, s.token_ids[s.plan.rows], s.plan.rows,
+                                  deviation_layers=s.plan.deviation_layers, row_filter=s.plan.row_filter)
+    return finish_fused(runner, s, out, time.perf_counter() - t0)

@@ -160,7 +160,7 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
 
     b = sub.add_parser("bench", help="benchmarks whose output goes into BENCHMARKS.md")
-    b.add_argument("what", choices=["load", "prefill", "blend", "store", "precompute", "retrieval", "http"])
+    b.add_argument("what", choices=["load", "prefill", "blend", "store", "precompute", "retrieval", "http", "serve"])
     b.add_argument("--tokens", type=_positive, default=2048, help="prefill: input length")
     b.add_argument("--repeats", type=_positive, default=5)
     b.add_argument("--dataset", default="demo/data/musique_dev.json", help="blend, precompute: MuSiQue-format file")
@@ -169,6 +169,9 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     b.add_argument("--chunk-prefill", choices=CHOICES["chunk_prefill"], default="alone")
     b.add_argument("--chunks", type=_positive, default=None, help="precompute: chunks (40); retrieval: index size (10000)")
     b.add_argument("--seconds", type=_positive, default=60, help="http: how long the load runs")
+    b.add_argument("--clients", type=_ints, default=[1, 4, 8, 16], help="serve: concurrent clients, comma-separated")
+    b.add_argument("--rounds", type=_positive, default=2, help="serve: requests per client")
+    b.add_argument("--new-tokens", type=_positive, default=64, help="serve: tokens decoded per request")
     b.set_defaults(func=_bench)
 
     i = sub.add_parser("ingest", help="add documents: a .jsonl, a MuSiQue-format .json, or a folder of .txt/.md")

@@ -67,6 +67,8 @@ class Settings(BaseSettings):
     threads: int = 0  # torch threads of this process; 0: every core (less a running job's share)
     job_threads: int = 0  # torch threads of a precompute job the server starts; 0: half the cores
     max_queue: int = 64  # requests waiting for the model beyond this get 429
+    kv_budget_bytes: int = 4 << 30  # fused KV caches of running requests, together; more wait (one alone: 400)
+    max_step_rows: int = 8192  # recomputed rows one scheduler step admits (at least one request)
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
     api_keys: dict[str, list[str]] = {}  # key → namespaces it may use (JSON); empty: no auth
     admin_key: str | None = None  # reaches every namespace and the whole-cache routes
@@ -106,7 +108,7 @@ class Settings(BaseSettings):
     @field_validator("chunk_tokens", "precompute_batch", "top_k", "lease_seconds", "max_new_tokens", "max_queue",
                      "precompute_attempts",
                      "max_tokens_cap",
-                     "max_body_bytes")
+                     "max_body_bytes", "kv_budget_bytes", "max_step_rows")
     @classmethod
     def _positive(cls, v: int) -> int:
         if v < 1:

@@ -2,6 +2,7 @@
 
     ask = Ask("who founded it?", namespace="acme", mode="epic")
     result = generation.generate(ask, on_text=print)   # deltas as they decode; the whole dict at the end
+    prep = generation.prepare(ask)                     # the part before model work (the scheduler's)
 
 A store fault is never a request failure: the store counts it and reports a miss, and the chunk
 is prefilled here instead. A prompt that cannot fit the model's context is a UserError naming
@@ -10,23 +11,22 @@ the numbers, before any model work.
 from __future__ import annotations
 
 import time
-import uuid
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from blend import ChunkKV, compute_prefix, fuse_and_prefill, make_policy, tokens_only
-from blend.decode import Sampling, decode_steps
+from blend.batch import decode_batch
+from blend.decode import Sampling
 from blend.prompt import as_ids, conversation
 
 from .corpus import Corpus, check_query
 from .errors import NotFound, UserError
-from .explain import explain
 from .ingest import same_tokenizer, unpack_ids
 from .meta import ModelDefault
 from .store import decode as decode_kv
-from .textstream import TextStream
+from .sequence import Prepared, Sequence
 
 
 @dataclass(frozen=True)
@@ -113,9 +113,14 @@ class Generation:
             tiers.append("computed")
         return chunks, tiers
 
-    def generate(self, ask: Ask, on_text=None, cancelled=lambda: False) -> dict:
-        """The answer, its chunks, token usage and stage timings; `on_text(delta)` streams the answer."""
+    def prepare(self, ask: Ask, start: float | None = None) -> Prepared:
+        """Everything before model work: checks, prompt, retrieval, chunk KV (off the model thread).
+
+        Bad input raises UserError before any waiting: a request whose KV could never fit the
+        budget (RAGCACHE_KV_BUDGET_BYTES) included.
+        """
         p = self.p
+        times = {"start": time.perf_counter() if start is None else start}
         check_query(ask.query)
         policy = self.policy_for(ask.mode or p.settings.mode, ask.ratio, ask.epic_k)
         if ask.max_new_tokens is not None and ask.max_new_tokens > p.settings.max_tokens_cap:
@@ -130,63 +135,54 @@ class Generation:
                                         [*ask.history, ("user", ask.query)])
         except Exception as e:  # noqa: BLE001 — a template's own rule (e.g. roles must alternate), named
             raise UserError(f"this conversation does not fit the model's chat template: {e}") from None
-        t0 = time.perf_counter()
         found = self.corpus.retrieve(ask.query, ask.namespace, ask.top_k)
         if not found:
             raise NotFound(f"namespace {ask.namespace!r} has no precomputed chunks: ingest and precompute first")
-        t_retrieve = time.perf_counter()
+        times["retrieved"] = time.perf_counter()
         hits, rows = zip(*found)
         self._check_fits(head, rows, suffix, sampling.max_new_tokens)
         self._check_model(rows)
+        rows_needed = len(head) + sum(r.n_tokens for r in rows) + len(suffix) + sampling.max_new_tokens
+        kv_bytes = rows_needed * self.kv_row_bytes()
+        if kv_bytes > p.settings.kv_budget_bytes:
+            raise UserError(f"this request's KV cache ({rows_needed} tokens x {self.kv_row_bytes()} bytes = "
+                            f"{kv_bytes} bytes) is over the server's whole KV budget of {p.settings.kv_budget_bytes} "
+                            "bytes (RAGCACHE_KV_BUDGET_BYTES); lower top_k or max_tokens")
         token_ids = [unpack_ids(row.token_ids) for row in rows]
         if policy.reads_chunk_kv:
             chunks, tiers = self.load_chunks(token_ids, ask.namespace)
         else:  # full prefill: nothing comes from the cache
             chunks, tiers = [tokens_only(ids) for ids in token_ids], ["computed"] * len(token_ids)
         prefix = self.prefix_for(head)
-        t_load = time.perf_counter()
-        fused = fuse_and_prefill(p.runner, prefix, chunks, as_ids(suffix), policy, headroom=sampling.max_new_tokens)
-        int(fused.logits.argmax())  # the first token is known (and a GPU synchronised): TTFT ends
-        t_first = time.perf_counter()
-        stream, finish = TextStream(p.tokenizer), "length"
+        times["loaded"] = time.perf_counter()
         stops = frozenset() if ask.ignore_eos else p.stops
+        return Prepared(ask, policy, sampling, prefix, as_ids(suffix), chunks, list(hits), tiers, stops, kv_bytes,
+                        times)
+
+    def kv_row_bytes(self) -> int:
+        """Bytes of one token's K and V over every layer."""
+        r = self.p.runner
+        return 2 * r.num_layers * r.num_kv_heads * r.head_dim * r.dtype.itemsize
+
+    def generate(self, ask: Ask, on_text=None, cancelled=lambda: False) -> dict:
+        """The answer, its chunks, token usage and stage timings; `on_text(delta)` streams the answer.
+
+        One request alone, on the caller's thread (the CLI, the evaluation); a server batches
+        requests through `Scheduler` instead, with the same steps.
+        """
+        prep = self.prepare(ask)
+        prep.times["admitted"] = time.perf_counter()
+        fused = fuse_and_prefill(self.p.runner, *prep.fuse_args())
+        seq = Sequence(prep, fused, self.p.tokenizer, on_text)
         try:
-            for token in decode_steps(p.runner, fused.cache, fused.logits, sampling, stops):
-                delta = stream.push(token)
-                if delta and on_text:
-                    on_text(delta)
+            while (token := seq.advance()) is not None:
                 if cancelled():
-                    finish = "cancelled"
+                    seq.cancel()
                     break
-            else:
-                finish = "length" if len(stream.ids) == sampling.max_new_tokens else "stop"
-            tail = stream.finish()
-            if tail and on_text:
-                on_text(tail)
+                seq.logits = decode_batch(self.p.runner, [seq.cache], [token])[0]
         finally:
-            p.runner.release(fused.cache)
-        t_end = time.perf_counter()
-        prompt = fused.layout.total
-        recomputed = int(fused.kv_rows[-1].numel())
-        usage = {"prompt_tokens": prompt, "reused_tokens": prompt - recomputed, "recomputed_tokens": recomputed,
-                 "completion_tokens": len(stream.ids)}
-        self.totals.tokens.update(recomputed=recomputed, reused=prompt - recomputed, completion=len(stream.ids))
-        ms = lambda a, b: round((b - a) * 1000, 2)  # noqa: E731
-        out = {
-            "request_id": uuid.uuid4().hex[:16],
-            "answer": stream.sent,
-            "mode": policy.name,
-            "finish_reason": finish,
-            "chunks": [{"id": h.id, "doc_id": h.doc_id, "score": round(h.score, 4), "tier": t}
-                       for h, t in zip(hits, tiers)],
-            "usage": usage,
-            "timings_ms": {"retrieve": ms(t0, t_retrieve), "load": ms(t_retrieve, t_load),
-                           "blend": ms(t_load, t_first), "ttft": ms(t0, t_first), "decode": ms(t_first, t_end),
-                           "total": ms(t0, t_end)},
-        }
-        if ask.explain:
-            out["explain"] = explain(p.tokenizer, fused, policy)
-        return out
+            self.p.runner.release(seq.cache)
+        return seq.result(self.totals.tokens)
 
     def _check_fits(self, head: list[int], rows, suffix: list[int], max_new: int) -> None:
         limit = self.p.runner.max_positions

@@ -12,7 +12,7 @@ from ragcache.chunking import Document
 from ragcache.errors import Conflict
 
 from ..auth import Caller, caller
-from ..deps import on_model_thread, service
+from ..deps import on_prep_thread, service
 from ..errors import ApiError, documented
 from ..schemas import DocumentIn
 
@@ -70,7 +70,7 @@ async def add_documents(request: Request, namespace: str = Query("default", min_
     who.allow(namespace)
     docs = _parse(await request.body(), request.headers.get("content-type", "application/json"))
     svc = service(request)
-    report = await on_model_thread(request, lambda: svc.corpus.ingest_documents(docs, namespace))
+    report = await on_prep_thread(request, lambda: svc.corpus.ingest_documents(docs, namespace))
     job, job_error = None, None
     if precompute and report.chunks_added:
         try:

@@ -54,6 +54,22 @@ def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos:
     return reference.selected_attention(q, k, v, q_pos, scale, plan)
 
 
+def varlen_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], q_pos: torch.Tensor,
+                     cu_rows: list[int], scale: float, plans: list | None = None) -> torch.Tensor:
+    """`selected_attention` of several sequences at once, each against its own cache.
+
+    q (N, H, hd): sequence i's rows q[cu_rows[i]:cu_rows[i+1]], positions q_pos (N,) ascending within
+    each; ks[i], vs[i] (Hkv, T_i, hd) → (N, H, hd). One Triton launch on CUDA, a loop on CPU
+    (measured faster there than a padded batch: no copies of the caches). `plans`: per sequence,
+    from `attention_plan` (CPU only).
+    """
+    if q.is_cuda:
+        from . import triton_varlen
+
+        return triton_varlen.varlen_attention(q, ks, vs, q_pos, cu_rows, scale)
+    return reference.varlen_attention(q, ks, vs, q_pos, cu_rows, scale, plans)
+
+
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Symmetric int8 with one scale per row: q (B, n, hd) int8, scale (B, n) float32 → (B, n, hd)."""
     ops = _triton(q)

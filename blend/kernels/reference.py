@@ -115,6 +115,17 @@ def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos:
     return out[0].transpose(0, 1)
 
 
+def varlen_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], q_pos: torch.Tensor,
+                     cu_rows: list[int], scale: float, plans: list[list[Block] | None] | None = None) -> torch.Tensor:
+    """Several sequences' selected rows, each against its own cache: a loop of `selected_attention`.
+
+    q (N, H, hd), sequence i's rows q[cu_rows[i]:cu_rows[i+1]] at q_pos (N,); ks[i], vs[i] (Hkv, T_i, hd).
+    """
+    outs = [selected_attention(q[a:b], k, v, q_pos[a:b], scale, plans[i] if plans is not None else None)
+            for i, (a, b, k, v) in enumerate(zip(cu_rows, cu_rows[1:], ks, vs))]
+    return torch.cat(outs)  # (N, H, hd)
+
+
 def _bulk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Unmasked attention with each K/V head's query heads stacked as rows: K/V are read once
     per K/V head instead of once per query head. q (1, H, m, hd); k, v (1, Hkv, S, hd)."""

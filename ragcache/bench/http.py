@@ -101,8 +101,7 @@ class _Server:
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(self.tmp / f"serve-{port}.log", "w")
-        command = Path(sys.executable).with_name("ragcache")  # the installed command: `serve` lives in api
-        self.proc = subprocess.Popen([str(command), "serve", "--port", str(port)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--port", str(port)],  # this checkout's
                                      env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and self.proc.poll() is None:

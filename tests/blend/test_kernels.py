@@ -93,3 +93,30 @@ def test_dequantize_int8_matches_reference(dtype, b, n, hd):
     assert ours.dtype == dtype
     # bfloat16: the interpreter may round the last bit differently from torch; one ulp apart at most
     assert torch.allclose(ours.float(), ref.float(), rtol=2**-7 if dtype == torch.bfloat16 else 0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h,hkv,hd", [(9, 3, 64), (8, 1, 128)])
+def test_varlen_attention_matches_reference(dtype, h, hkv, hd):
+    """Sequences of different lengths, each in its own cache (own capacity): a decode row, a recompute
+    block longer than one program's rows, scattered rows, a single early row."""
+    from blend.kernels import triton_varlen
+
+    caps, lens = [40, 160, 90, 20], [33, 150, 90, 3]
+    rows = [torch.tensor([32]), torch.arange(70, 150), _rows("scattered", 90, 17), torch.tensor([1])]
+    caches = [(_randn(hkv, c, hd, dtype=dtype, seed=10 + i), _randn(hkv, c, hd, dtype=dtype, seed=20 + i))
+              for i, c in enumerate(caps)]
+    ks, vs = [k[:, :n] for (k, _), n in zip(caches, lens)], [v[:, :n] for (_, v), n in zip(caches, lens)]
+    q = _randn(sum(r.numel() for r in rows), h, hd, dtype=dtype, seed=9)
+    cu = [0]
+    for r in rows:
+        cu.append(cu[-1] + r.numel())
+    pos = torch.cat(rows).to(DEVICE)
+    ours = triton_varlen.varlen_attention(q, ks, vs, pos, cu, hd**-0.5)
+    ref = reference.varlen_attention(q.cpu().float(), [k.cpu().float() for k in ks], [v.cpu().float() for v in vs],
+                                     pos.cpu(), cu, hd**-0.5)
+    for i, (a, b) in enumerate(zip(cu, cu[1:])):  # and each sequence is what it gets alone
+        alone = reference.selected_attention(q[a:b].cpu().float(), ks[i].cpu().float(), vs[i].cpu().float(),
+                                             pos[a:b].cpu(), hd**-0.5)
+        assert torch.equal(ref[a:b], alone)
+    assert torch.allclose(ours.cpu().float(), ref, atol=TOL[dtype] * 5, rtol=TOL[dtype] * 5)

@@ -1,0 +1,118 @@
+"""Several sequences through one forward pass: the linear layers run once on all their rows,
+attention runs per sequence against its own cache, causal by absolute position.
+
+    outs = forward_batch(runner, [Rows(cache_a, ids_a, rows_a), Rows(cache_b, ids_b, rows_b)])
+    logits = decode_batch(runner, [cache_a, cache_b], [token_a, token_b])   # (2, V): one step each
+
+Each sequence gets what `Runner.forward_selected` gives it alone (same rows, same row filter at
+its deviation layers), within float tolerance: only the matrix products see more rows.
+`fuse_batch` is `fuse_and_prefill` for several requests, their recomputed rows batched.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import kernels
+from .cache import KVCache
+from .fuse import FusedResult, finish_fused, stage
+from .runner import RowFilter, Runner, Selected
+
+
+@dataclass
+class Rows:
+    """One sequence's part of a batch: recompute `rows` (n,) ascending, tokens `token_ids` (n,)."""
+
+    cache: KVCache
+    token_ids: torch.Tensor
+    rows: torch.Tensor
+    deviation_layers: frozenset[int] = frozenset()
+    row_filter: RowFilter | None = None
+
+
+@torch.inference_mode()
+def forward_batch(runner: Runner, items: list[Rows]) -> list[Selected]:
+    """`runner.forward_selected` of every item, in one pass; each item's logits are its last row's."""
+    dev = runner.device
+    rows = [it.rows.to(dev) for it in items]
+    for it, r in zip(items, rows):
+        runner._check_positions(r[-1:])
+        it.cache.reserve(int(r[-1]) + 1)
+        it.cache.length = max(it.cache.length, int(r[-1]) + 1)
+    x = runner.embed[torch.cat([it.token_ids for it in items]).to(dev)]  # (N, D), items' rows in order
+    cos, sin = (torch.cat(t) for t in zip(*(runner.rope(r) for r in rows)))  # (N, 1, hd) each
+    plans = [kernels.attention_plan(r) for r in rows]
+    kv_rows: list[list[torch.Tensor]] = [[] for _ in items]
+    out_rows: list[list[torch.Tensor]] = [[] for _ in items]
+    deviations: list[dict] = [{} for _ in items]
+    for l in range(runner.num_layers):
+        q, k, v = runner._qkv(l, x, cos, sin)  # (N, H, hd), (N, Hkv, hd) ×2
+        keep, offset, shrunk = [], 0, False
+        for i, it in enumerate(items):
+            n = rows[i].shape[0]
+            ki, vi = k[offset : offset + n], v[offset : offset + n]
+            kv_rows[i].append(rows[i])
+            kept = _write(runner, it, l, rows[i], ki, vi, deviations[i])
+            if kept is not None:
+                rows[i], plans[i], shrunk = rows[i][kept], kernels.attention_plan(rows[i][kept]), True
+                keep.append(kept + offset)
+            else:
+                keep.append(torch.arange(offset, offset + n, device=dev))
+            out_rows[i].append(rows[i])
+            offset += n
+        if shrunk:
+            idx = torch.cat(keep)
+            x, q, cos, sin = x[idx], q[idx], cos[idx], sin[idx]
+        cu = [0]
+        for r in rows:
+            cu.append(cu[-1] + r.shape[0])
+        ends = [int(r[-1]) + 1 for r in rows]
+        attn = kernels.varlen_attention(q, [it.cache.k[l][:, :e] for it, e in zip(items, ends)],
+                                        [it.cache.v[l][:, :e] for it, e in zip(items, ends)], torch.cat(rows), cu,
+                                        runner.scale, plans)  # (N', H, hd)
+        x = runner._finish(l, x, attn)
+    last = torch.tensor([c - 1 for c in cu[1:]], device=dev)
+    logits = runner._logits(x[last])  # (B, V)
+    return [Selected(logits[i], kv_rows[i], out_rows[i], deviations[i]) for i in range(len(items))]
+
+
+def _write(runner: Runner, it: Rows, l: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           deviations: dict) -> torch.Tensor | None:
+    """Write one item's new K/V (n, Hkv, hd) at layer l; at a deviation layer, the indices its filter keeps
+    (None: all rows go on), as `Runner.forward_selected` does."""
+    ck, cv = it.cache.k[l], it.cache.v[l]  # (Hkv, capacity, hd)
+    if l in it.deviation_layers:
+        dev = kernels.deviation_scatter_(ck, rows, k), kernels.deviation_scatter_(cv, rows, v)
+        deviations[l] = (rows, *dev)
+        keep = it.row_filter(l, rows, *dev) if it.row_filter is not None else None
+        return keep if keep is not None and keep.shape[0] != rows.shape[0] else None
+    first, end = int(rows[0]), int(rows[-1]) + 1
+    if end - first == rows.shape[0]:  # contiguous rows: a plain slice write
+        ck[:, first:end] = k.transpose(0, 1)
+        cv[:, first:end] = v.transpose(0, 1)
+    else:
+        ck.index_copy_(1, rows, k.transpose(0, 1))
+        cv.index_copy_(1, rows, v.transpose(0, 1))
+    return None
+
+
+def decode_batch(runner: Runner, caches: list[KVCache], tokens: list[int]) -> torch.Tensor:
+    """One decode step of B sequences: token b goes at the end of cache b → next logits (B, V) float32."""
+    items = [Rows(c, torch.tensor([t]), torch.tensor([c.length])) for c, t in zip(caches, tokens)]
+    return torch.stack([s.logits for s in forward_batch(runner, items)])
+
+
+def fuse_batch(runner: Runner, requests: list[tuple]) -> list[FusedResult]:
+    """`fuse_and_prefill(runner, *request)` of each request, their recomputed rows in one batched pass.
+
+    A request is (prefix_kv, chunk_kvs, suffix_ids, policy, headroom). Every result's "recompute"
+    timing is the batch's.
+    """
+    staged = [stage(runner, *r) for r in requests]
+    t0 = time.perf_counter()
+    outs = forward_batch(runner, [Rows(s.cache, s.token_ids[s.plan.rows], s.plan.rows, s.plan.deviation_layers,
+                                       s.plan.row_filter) for s in staged])
+    seconds = time.perf_counter() - t0
+    return [finish_fused(runner, s, out, seconds) for s, out in zip(staged, outs)]

@@ -1,0 +1,76 @@
+"""In-process costs behind `bench serve`: batched vs sequential selective recompute of requests that
+arrive at once, and one decode step's time against its batch size (real fused contexts)."""
+from __future__ import annotations
+
+import torch
+
+from blend import CacheBlend, Epic, Runner, compute_chunk, compute_prefix, fuse_and_prefill
+from blend.batch import decode_batch, fuse_batch
+from blend.prompt import as_ids, chat_frame, encode
+
+from .timing import interleaved, median, table
+
+
+def requests(runner: Runner, data: list[dict], system_prompt: str, n: int, passages: int = 4) -> list[tuple]:
+    """n (prefix, chunk KVs, suffix) from the first n questions, chunks computed behind the system prompt."""
+    tok = runner.model.tokenizer
+    frame = chat_frame(tok, system_prompt)
+    prefix = compute_prefix(runner, as_ids(frame.head))
+    out = []
+    for item in data[:n]:
+        chunks = [compute_chunk(runner, as_ids(encode(tok, c["text"] + "\n\n")), prefix) for c in item["ctxs"][:passages]]
+        out.append((prefix, chunks, as_ids(encode(tok, "\nQuestion: " + item["question"]) + frame.tail)))
+    return out
+
+
+def recompute_table(runner: Runner, reqs: list[tuple], repeats: int) -> str:
+    """Time to all first tokens of len(reqs) requests arriving at once: one after another vs one batch."""
+    rows = []
+    for name, policy in (("cacheblend@0.15", CacheBlend(0.15)), ("epic@16", Epic(16))):
+        def sequential():
+            for prefix, chunks, suffix in reqs:
+                res = fuse_and_prefill(runner, prefix, chunks, suffix, policy)
+                int(res.logits.argmax())
+                runner.release(res.cache)
+
+        def batched():
+            results = fuse_batch(runner, [(p, c, s, policy, 0) for p, c, s in reqs])
+            [int(r.logits.argmax()) for r in results]
+            for r in results:
+                runner.release(r.cache)
+
+        times = interleaved({"sequential": sequential, "batched": batched}, repeats)
+        seq_s, bat_s = median(times["sequential"]), median(times["batched"])
+        rows.append([name, len(reqs), seq_s, bat_s, seq_s / bat_s])
+    return table(rows, ["mode", "requests", "sequential s", "batched s", "sequential / batched"])
+
+
+def decode_table(runner: Runner, reqs: list[tuple], sizes: list[int], repeats: int) -> tuple[str, dict[int, float]]:
+    """Seconds of one decode step of B sequences (each its own fused context), per B; and that table."""
+    fused = [fuse_and_prefill(runner, *reqs[i % len(reqs)], CacheBlend(0.15), headroom=len(sizes) * (repeats + 1))
+             for i in range(max(sizes))]  # requests repeat past len(reqs): each still has its own cache
+    caches = [f.cache for f in fused]
+    steps = {b: (lambda b=b: decode_batch(runner, caches[:b], [int(f.logits.argmax()) for f in fused[:b]]))
+             for b in sizes}
+    times = interleaved(steps, repeats)
+    seconds = {b: median(times[b]) for b in sizes}
+    for c in caches:
+        runner.release(c)
+    rows = [[b, seconds[b] * 1000, seconds[b] / seconds[sizes[0]], b * seconds[sizes[0]] / seconds[b]] for b in sizes]
+    context = sum(len(x) for x in reqs[0][1]) + len(reqs[0][0]) + reqs[0][2].numel()
+    return (f"one decode step of B sequences, ~{context} tokens of context each\n" +
+            table(rows, ["B", "step ms", "vs B=1", "tokens/s vs B=1"]), seconds)
+
+
+def run_in_process(settings, data: list[dict], n: int, sizes: list[int], repeats: int) -> str:
+    from blend import load_model
+
+    model = load_model(settings.model, settings.home, settings.device, settings.dtype)
+    runner = Runner(model)
+    with torch.inference_mode():
+        reqs = requests(runner, data, settings.system_prompt, n)
+        text = (f"\nBatched vs sequential selective recompute, {n} requests arriving at once, 4 passages each "
+                f"({model.name} {model.dtype} on {model.device}, median of {repeats} interleaved repeats)\n")
+        text += recompute_table(runner, reqs[:n], repeats)
+        decode, _ = decode_table(runner, reqs, sizes, repeats)
+    return text + "\n\n" + decode
