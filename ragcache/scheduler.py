@@ -31,11 +31,10 @@ from typing import Any, Callable
 
 import torch
 
-from blend.batch import Rows, decode_batch, forward_batch, fuse_batch
-from blend.fuse import finish_fused, stage
-from blend.runner import Selected
+from blend.batch import decode_batch, fuse_batch
 
 from .errors import Busy, UserError
+from .piecewise import Piecewise
 from .sequence import Sequence
 from .tally import ServingStats
 
@@ -66,7 +65,7 @@ class Scheduler:
         self._ready: deque = deque()  # (ticket, Prepared): retrieved and loaded, waiting for KV budget
         self._admitted: deque = deque()  # (ticket, Prepared): budget reserved, waiting for their prefill
         self._running: list[tuple[Ticket, Sequence]] = []
-        self._piecewise: list | None = None  # [ticket, prep, Staged, rows done, start]: a long prompt in pieces
+        self._piecewise: Piecewise | None = None  # a long prompt recomputed a piece a step
         self._waiting = 0
         self._busy_work = 0  # `submit` items running on the prep thread
         self._kv_in_use = 0
@@ -212,8 +211,7 @@ class Scheduler:
             if batch and rows + n > cap:
                 break
             if n > cap and plan.row_filter is None and not batch:  # too long for one step: in pieces
-                ticket, prep = self._admitted.popleft()
-                self._piecewise = [ticket, prep, None, 0, time.perf_counter()]
+                self._piecewise = Piecewise(*self._admitted.popleft())
                 break
             batch.append(self._admitted.popleft())
             rows += n
@@ -237,36 +235,26 @@ class Scheduler:
                                                    lambda delta, t=ticket: t.emit("text", delta))))
 
     def _prefill_piece(self) -> None:
-        """The next RAGCACHE_MAX_STEP_ROWS rows of a long prompt's recompute: its rows are fixed and
-        each piece attends to the pieces before it in the cache, so the pieces add up to one pass."""
-        ticket, prep, staged, done, start = self._piecewise
-        runner, cap = self.service.runner, self.service.settings.max_step_rows
+        piece = self._piecewise
         try:
-            if staged is None:
-                prep.times["admitted"] = start
-                staged = self._piecewise[2] = stage(runner, *prep.fuse_args())
-            if ticket.cancelled.is_set():
+            if piece.ticket.cancelled.is_set():
                 self._piecewise = None
-                self._release(prep.kv_bytes, staged.cache)
-                ticket.emit("cancelled", None)
+                self._release(piece.prep.kv_bytes, piece.cache)
+                piece.ticket.emit("cancelled", None)
                 return
-            rows = staged.plan.rows[done : done + cap]
-            out = forward_batch(runner, [Rows(staged.cache, staged.token_ids[rows], rows)])[0]
+            fused = piece.step(self.service.runner, self.service.settings.max_step_rows)
         except Exception as e:  # noqa: BLE001 — this request fails; the others run on
             log.exception("a piecewise prefill failed")
             self._piecewise = None
-            self._release(prep.kv_bytes, staged.cache if staged is not None else None)
-            ticket.emit("error", e)
+            self._release(piece.prep.kv_bytes, piece.cache)
+            piece.ticket.emit("error", e)
             return
-        self._piecewise[3] = done = done + rows.numel()
-        if done < staged.plan.rows.numel():
+        if fused is None:
             return
         self._piecewise = None
-        every = [staged.plan.rows] * runner.num_layers  # fixed rows: the same set on every layer
-        fused = finish_fused(runner, staged, Selected(out.logits, every, every), time.perf_counter() - start)
         self.stats.prefill_batch.observe(1)
-        self._running.append((ticket, Sequence(prep, fused, self.service.tokenizer,
-                                               lambda delta, t=ticket: t.emit("text", delta))))
+        self._running.append((piece.ticket, Sequence(piece.prep, fused, self.service.tokenizer,
+                                                     lambda delta, t=piece.ticket: t.emit("text", delta))))
 
     def _decode_step(self) -> None:
         live, tokens = [], []
@@ -336,7 +324,7 @@ class Scheduler:
             self._stop = True
             self._cond.notify()
         self._model_thread.join(timeout=60)
-        piecewise = [tuple(self._piecewise[:2])] if self._piecewise is not None else []
+        piecewise = [(self._piecewise.ticket, None)] if self._piecewise is not None else []
         for ticket, _ in [*self._ready, *self._admitted, *self._running, *piecewise]:
             ticket.emit("cancelled", None)
         self._ready.clear(), self._admitted.clear(), self._running.clear()
