@@ -22,7 +22,6 @@ from .model import Model
 from .rope import RopeTable, apply_rope, rope_frequencies
 
 
-
 @dataclass(frozen=True)
 class Check:
     """What a row filter sees at a check layer, after the rows' new K/V are written."""
