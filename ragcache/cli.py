@@ -131,11 +131,11 @@ def _add_eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default=",".join(EVAL_MODES))
     p.add_argument("--ratios", type=_floats, default=[0.05, 0.15, 0.3, 0.5], help="cacheblend ratios")
     p.add_argument("--epic-k", type=_ints, default=[4, 16, 32], help="epic: tokens per chunk")
-    p.add_argument("--probe-ratios", type=_floats, default=[0.05, 0.15], help="probe (query-probe selection) ratios")
+    p.add_argument("--probe-ratios", type=_floats, default=[0.03, 0.15, 0.2], help="probe (query-probe selection) ratios")
     p.add_argument("--probe-epic-k", type=int, default=0, help="probe: EPIC's first k per chunk inside its budget")
     p.add_argument("--a3-ratios", type=_floats, default=[0.15], help="a3 (question attention at the check layer)")
     p.add_argument("--a3-window", type=int, default=2, help="a3, blendq: ± neighbours the attention is smoothed over")
-    p.add_argument("--blendq-ratios", type=_floats, default=[0.15], help="blendq (deviation and attention ranks)")
+    p.add_argument("--blendq-ratios", type=_floats, default=[0.12], help="blendq (deviation and attention ranks)")
     p.add_argument("--top-k", type=_positive, default=4)
     p.add_argument("--retrieval", choices=["given", "faiss"], default="given")
     p.add_argument("--chunk-prefill", choices=CHOICES["chunk_prefill"], default=None,

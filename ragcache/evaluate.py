@@ -45,11 +45,11 @@ class EvalConfig:
     modes: list[str] = field(default_factory=lambda: list(EVAL_MODES))
     ratios: list[float] = field(default_factory=lambda: [0.05, 0.15, 0.3, 0.5])
     epic_ks: list[int] = field(default_factory=lambda: [4, 16, 32])
-    probe_ratios: list[float] = field(default_factory=lambda: [0.05, 0.15])
+    probe_ratios: list[float] = field(default_factory=lambda: [0.03, 0.15, 0.2])
     probe_epic_k: int = 0  # EPIC's first k per chunk inside every probe budget
     a3_ratios: list[float] = field(default_factory=lambda: [0.15])
     a3_window: int = 2
-    blendq_ratios: list[float] = field(default_factory=lambda: [0.15])
+    blendq_ratios: list[float] = field(default_factory=lambda: [0.12])
     top_k: int = 4
     retrieval: str = "given"  # given | faiss
     chunk_prefill: str = "alone"  # alone | prefixed

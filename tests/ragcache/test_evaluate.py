@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from blend import A3, BlendQ, Probe
 from ragcache.config import Settings
 from ragcache.evaluate import METRICS, EvalConfig, load_dataset, policies
 from ragcache.errors import UserError
@@ -56,6 +57,7 @@ def test_eval_writes_valid_results_and_full_recompute_matches_full(tmp_path, tin
 
 def test_calibrate_stores_the_fastest_mode_within_the_target(tmp_path, tiny, smollm):
     from ragcache.calibrate import calibrate
+    from ragcache.meta import ModelDefault
     from ragcache.service import RagCache
 
     service = RagCache(Settings(home=tmp_path / "home", model=str(smollm.path)))
@@ -67,6 +69,11 @@ def test_calibrate_stores_the_fastest_mode_within_the_target(tmp_path, tiny, smo
     loose = calibrate(service, cfg, target_kl=10.0, progress=False)
     assert loose.mode == "reuse" and loose.speedup > 1  # everything fits: the fastest wins
     assert service.policy_for("auto").name == "reuse"
+    with service.db.session() as s:  # what calibrate stores for a query-aware mode, read back by `auto`
+        s.merge(ModelDefault(fingerprint=service.model.fingerprint, mode="probe", param=0.2, target_kl=0.1,
+                             measured_kl=0.05, speedup=5.0, dataset="x"))
+    assert service.policy_for("auto") == Probe(ratio=0.2)
+    assert service.policy_for("blendq", ratio=0.3) == BlendQ(ratio=0.3) and service.policy_for("a3") == A3()
     service.close()
 
 
