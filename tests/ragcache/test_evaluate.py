@@ -29,16 +29,14 @@ def test_eval_writes_valid_results_and_full_recompute_matches_full(tmp_path, tin
     env = {**os.environ, "RAGCACHE_HOME": str(tmp_path / "home"), "RAGCACHE_MODEL": str(smollm.path)}
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "ragcache.cli", "eval", "--dataset", str(tiny), "--top-k", "2",
-                        "--modes", "full,reuse,cacheblend,epic,probe,blendq", "--ratios", "1.0,0.15", "--epic-k", "4",
-                        "--probe-ratios", "1.0,0.1", "--probe-epic-k", "2", "--blendq-ratios", "0.1",
-                        "--chunk-prefill", "alone",
+                        "--modes", "full,reuse,cacheblend,epic,probe", "--ratios", "1.0,0.15", "--epic-k", "4",
+                        "--probe-ratios", "1.0,0.1", "--probe-epic-k", "2", "--chunk-prefill", "alone",
                         "--max-new-tokens", "8", "--out", str(out), "--quiet"], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     res = json.loads((out / "results.json").read_text())
     assert {"model", "dataset", "n", "top_k", "modes", "per_question"} <= set(res) and res["n"] == 2
-    assert list(res["modes"]) == ["full", "reuse", "cacheblend@1", "cacheblend@0.15", "epic@4", "probe@1", "probe@0.1",
-                                  "blendq@0.1"]
+    assert list(res["modes"]) == ["full", "reuse", "cacheblend@1", "cacheblend@0.15", "epic@4", "probe@1", "probe@0.1"]
     assert res["knobs"]["probe_epic_k"] == 2
     for m in res["modes"].values():
         assert set(m) == set(METRICS)
