@@ -21,7 +21,8 @@ class GenerateRequest(Strict):
     namespace: str = Namespace
     top_k: int | None = Field(default=None, ge=1, le=64)
     mode: Mode | None = None
-    recompute_ratio: float | None = Field(default=None, ge=0, le=1, description="cacheblend: share recomputed")
+    recompute_ratio: float | None = Field(default=None, ge=0, le=1,
+                                          description="cacheblend, probe, a3, blendq: share of context rows recomputed")
     epic_k: int | None = Field(default=None, ge=0, le=4096, description="epic: tokens recomputed per chunk")
     max_tokens: int | None = Field(default=None, ge=1, le=1 << 20, description="the model's context bounds it")
     temperature: float = Field(default=0.0, ge=0, le=5)

@@ -18,7 +18,7 @@ import torch
 from . import kernels
 from .cache import KVCache
 from .fuse import FusedResult, finish_fused, stage
-from .runner import RowFilter, Runner, Selected
+from .runner import Check, RowFilter, Runner, Selected
 
 
 @dataclass
@@ -54,7 +54,7 @@ def forward_batch(runner: Runner, items: list[Rows]) -> list[Selected]:
             n = rows[i].shape[0]
             ki, vi = k[offset : offset + n], v[offset : offset + n]
             kv_rows[i].append(rows[i])
-            kept = _write(runner, it, l, rows[i], ki, vi, deviations[i])
+            kept = _write(runner, it, l, rows[i], q[offset : offset + n], ki, vi, deviations[i])
             if kept is not None:
                 rows[i], plans[i], shrunk = rows[i][kept], kernels.attention_plan(rows[i][kept]), True
                 keep.append(kept + offset)
@@ -78,15 +78,15 @@ def forward_batch(runner: Runner, items: list[Rows]) -> list[Selected]:
     return [Selected(logits[i], kv_rows[i], out_rows[i], deviations[i]) for i in range(len(items))]
 
 
-def _write(runner: Runner, it: Rows, l: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _write(runner: Runner, it: Rows, l: int, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            deviations: dict) -> torch.Tensor | None:
     """Write one item's new K/V (n, Hkv, hd) at layer l; at a deviation layer, the indices its filter keeps
-    (None: all rows go on), as `Runner.forward_selected` does."""
+    (None: all rows go on), as `Runner.forward_selected` does. q (n, H, hd): the rows' queries."""
     ck, cv = it.cache.k[l], it.cache.v[l]  # (Hkv, capacity, hd)
     if l in it.deviation_layers:
         dev = kernels.deviation_scatter_(ck, rows, k), kernels.deviation_scatter_(cv, rows, v)
         deviations[l] = (rows, *dev)
-        keep = it.row_filter(l, rows, *dev) if it.row_filter is not None else None
+        keep = it.row_filter(Check(l, rows, *dev, q, ck, runner.scale)) if it.row_filter is not None else None
         return keep if keep is not None and keep.shape[0] != rows.shape[0] else None
     first, end = int(rows[0]), int(rows[-1]) + 1
     if end - first == rows.shape[0]:  # contiguous rows: a plain slice write

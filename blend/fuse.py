@@ -27,12 +27,14 @@ class FusedResult:
     row_work: tuple[int, int]  # multiply-adds per row and layer: (q/k/v, the rest)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage: assemble, recompute
     deviations: dict = field(default_factory=dict)  # check layer → (rows, ||ΔK||², ||ΔV||²): what cacheblend ranked
+    probe_rows: int = 0  # rows the query probe ran through every layer before the plan was made
 
     @property
-    def recompute_fraction(self) -> float:
-        """Recomputed linear-layer work over a full prefill's after the prefix (attention not counted)."""
+    def work_fraction(self) -> float:
+        """Linear-layer work (the probe's included) over a full prefill's after the prefix; attention not counted."""
         qkv, rest = self.row_work
         done = sum(qkv * kv.numel() + rest * out.numel() for kv, out in zip(self.kv_rows, self.out_rows))
+        done += len(self.kv_rows) * self.probe_rows * (qkv + rest)
         full = len(self.kv_rows) * (self.layout.total - self.layout.prefix_len) * (qkv + rest)
         return done / max(full, 1)
 
@@ -103,11 +105,14 @@ class Staged:
     cache: KVCache
     token_ids: torch.Tensor  # (T,) the whole prompt
     assemble_s: float
+    probe_s: float = 0.0  # the query probe, when the policy has one (its plan is made after it)
+    probe_rows: int = 0
 
 
 def stage(runner: Runner, prefix_kv: PrefixKV | None, chunk_kvs: list[ChunkKV], suffix_ids: torch.Tensor, policy,
           headroom: int = 0) -> Staged:
-    """Lay out, plan and assemble (see `fuse_and_prefill`); the recompute is left to the caller."""
+    """Lay out, plan, assemble and (for a query-probe policy) probe: see `fuse_and_prefill`; the
+    recompute is left to the caller."""
     if suffix_ids.numel() == 0:
         raise ValueError("the query suffix must hold at least one token")
     t0 = time.perf_counter()
@@ -116,12 +121,19 @@ def stage(runner: Runner, prefix_kv: PrefixKV | None, chunk_kvs: list[ChunkKV], 
     cache = assemble(runner, prefix_kv, chunk_kvs, layout, _needed(layout, plan), headroom)
     parts = ([prefix_kv.token_ids] if prefix_kv is not None else []) + [c.token_ids for c in chunk_kvs]
     token_ids = torch.cat([*parts, suffix_ids.cpu()])
-    return Staged(layout, plan, cache, token_ids, time.perf_counter() - t0)
+    t1 = time.perf_counter()
+    probe_rows = 0
+    if plan.probe is not None:  # the probe's time is the mode's: it counts as recompute
+        mass = _probe(runner, cache, token_ids, layout, plan.rows)
+        probe_rows = plan.rows.numel()
+        plan = plan.probe(mass)
+    return Staged(layout, plan, cache, token_ids, t1 - t0, time.perf_counter() - t1, probe_rows)
 
 
 def finish_fused(runner: Runner, staged: Staged, out: Selected, recompute_s: float) -> FusedResult:
     return FusedResult(out.logits, staged.cache, staged.token_ids, staged.layout, out.kv_rows, out.out_rows,
-                       runner.row_work(), {"assemble": staged.assemble_s, "recompute": recompute_s}, out.deviations)
+                       runner.row_work(), {"assemble": staged.assemble_s, "recompute": staged.probe_s + recompute_s},
+                       out.deviations, staged.probe_rows)
 
 
 def fuse_and_prefill(runner: Runner, prefix_kv: PrefixKV | None, chunk_kvs: list[ChunkKV],
@@ -136,3 +148,25 @@ def fuse_and_prefill(runner: Runner, prefix_kv: PrefixKV | None, chunk_kvs: list
     out = runner.forward_selected(s.cache, s.token_ids[s.plan.rows], s.plan.rows,
                                   deviation_layers=s.plan.deviation_layers, row_filter=s.plan.row_filter)
     return finish_fused(runner, s, out, time.perf_counter() - t0)
+
+
+def _probe(runner: Runner, cache: KVCache, token_ids: torch.Tensor, layout: Layout, rows: torch.Tensor) -> torch.Tensor:
+    """Run `rows` (the suffix) through every layer against the fused cache as it is; → (C,) float32:
+    the attention they give each context row, averaged over layers. Their K/V land in the cache
+    and are overwritten by the recompute that follows."""
+    mass = _MassSum(layout)
+    runner.forward_selected(cache, token_ids[rows], rows, deviation_layers=frozenset(range(runner.num_layers)),
+                            row_filter=mass)
+    return mass.total / runner.num_layers
+
+
+class _MassSum:
+    """The probe's row filter: adds up the question's attention on the context at each layer, keeps every row."""
+
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self.total: torch.Tensor | float = 0.0  # (C,) once a layer has run
+
+    def __call__(self, check) -> None:
+        self.total = self.total + check.question_mass(self.layout.suffix_start,
+                                                      (self.layout.prefix_len, self.layout.suffix_start))

@@ -21,8 +21,27 @@ from .linear import make_linear
 from .model import Model
 from .rope import RopeTable, apply_rope, rope_frequencies
 
-# (layer, rows (n,), dev_k (n,), dev_v (n,)) → indices into rows to keep, ascending; the last must stay
-RowFilter = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+@dataclass(frozen=True)
+class Check:
+    """What a row filter sees at a check layer, after the rows' new K/V are written."""
+
+    layer: int
+    rows: torch.Tensor  # (n,) ascending
+    dev_k: torch.Tensor  # (n,) float32 ||new − cached||² over heads and hd
+    dev_v: torch.Tensor  # (n,)
+    q: torch.Tensor  # (n, H, hd) the rows' queries, post-RoPE
+    k: torch.Tensor  # (Hkv, capacity, hd) this layer's cache K, the rows' new K written
+    scale: float
+
+    def question_mass(self, query_from: int, keys: tuple[int, int]) -> torch.Tensor:
+        """Attention of rows ≥ `query_from` on keys [a, b) (all before them), softmax over those keys,
+        summed over rows and heads → (b − a,) float32."""
+        return kernels.attention_mass(self.q[self.rows >= query_from], self.k[:, keys[0] : keys[1]], self.scale)
+
+
+# a check → indices into check.rows to keep, ascending (the last must stay), or None: keep all
+RowFilter = Callable[[Check], torch.Tensor | None]
 
 
 @dataclass
@@ -188,7 +207,7 @@ class Runner:
             if l in deviation_layers:
                 dev = kernels.deviation_scatter_(ck, rows, k), kernels.deviation_scatter_(cv, rows, v)
                 deviations[l] = (rows, *dev)
-                keep = row_filter(l, rows, *dev) if row_filter is not None else None
+                keep = None if row_filter is None else row_filter(Check(l, rows, *dev, q, ck, self.scale))
                 if keep is not None and keep.shape[0] != rows.shape[0]:
                     rows, x, q, cos, sin = rows[keep], x[keep], q[keep], cos[keep], sin[keep]
                     first, end = int(rows[0]), int(rows[-1]) + 1

@@ -10,38 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .runner import RowFilter
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where things sit in the fused sequence: prefix [0, P), chunks, suffix [suffix_start, total)."""
-
-    prefix_len: int
-    spans: list[tuple[int, int]]  # [start, end) of each chunk
-    exact: list[bool]  # chunk KV already equals a full prefill's at its place
-    total: int
-
-    @property
-    def suffix_start(self) -> int:
-        return self.spans[-1][1] if self.spans else self.prefix_len
-
-    def suffix(self) -> torch.Tensor:
-        return torch.arange(self.suffix_start, self.total)
-
-    def stale_spans(self) -> list[tuple[int, int]]:
-        return [s for s, ok in zip(self.spans, self.exact) if not ok]
-
-    def stale_rows(self) -> torch.Tensor:
-        spans = self.stale_spans()
-        return torch.cat([torch.arange(a, b) for a, b in spans]) if spans else torch.empty(0, dtype=torch.long)
-
-
-@dataclass(frozen=True)
-class Plan:
-    rows: torch.Tensor  # (n,) ascending: recomputed from layer 0
-    deviation_layers: frozenset[int] = frozenset()
-    row_filter: RowFilter | None = None
+from .plan import Layout, Plan
+from .runner import Check
+from .select_query import A3, BlendQ, Probe
 
 
 @dataclass(frozen=True)
@@ -140,11 +111,11 @@ class _TopDeviation:
     suffix_start: int
     by: str
 
-    def __call__(self, layer: int, rows: torch.Tensor, dev_k: torch.Tensor, dev_v: torch.Tensor) -> torch.Tensor:
-        dev = dev_k if self.by == "k" else dev_v
+    def __call__(self, check: Check) -> torch.Tensor:
+        rows, dev = check.rows, check.dev_k if self.by == "k" else check.dev_v
         is_context = rows < self.suffix_start
         n_context = int(is_context.sum())
-        keep_n = min(self.targets[layer], n_context)
+        keep_n = min(self.targets[check.layer], n_context)
         if keep_n == n_context:
             return torch.arange(rows.numel(), device=rows.device)
         context_dev = torch.where(is_context, dev.float(), torch.tensor(-1.0, device=dev.device))
@@ -153,7 +124,8 @@ class _TopDeviation:
         return torch.cat([top, suffix]).sort().values
 
 
-POLICIES = {"full": Full, "prefix": Prefix, "reuse": Reuse, "epic": Epic, "cacheblend": CacheBlend}
+POLICIES = {"full": Full, "prefix": Prefix, "reuse": Reuse, "epic": Epic, "cacheblend": CacheBlend, "probe": Probe,
+            "a3": A3, "blendq": BlendQ}
 
 
 def make_policy(mode: str, **params):

@@ -92,6 +92,8 @@ def _eval_config(args, settings):
     from .evaluate import EvalConfig
 
     return EvalConfig(Path(args.dataset), modes=args.modes.split(","), ratios=args.ratios, epic_ks=args.epic_k,
+                      probe_ratios=args.probe_ratios, probe_epic_k=args.probe_epic_k, a3_ratios=args.a3_ratios,
+                      a3_window=args.a3_window, blendq_ratios=args.blendq_ratios,
                       top_k=args.top_k, retrieval=args.retrieval,
                       chunk_prefill=args.chunk_prefill or settings.chunk_prefill,
                       kv_dtype=args.kv_dtype, tier=args.tier, limit=args.limit, max_new_tokens=args.max_new_tokens)
@@ -129,6 +131,11 @@ def _add_eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default=",".join(EVAL_MODES))
     p.add_argument("--ratios", type=_floats, default=[0.05, 0.15, 0.3, 0.5], help="cacheblend ratios")
     p.add_argument("--epic-k", type=_ints, default=[4, 16, 32], help="epic: tokens per chunk")
+    p.add_argument("--probe-ratios", type=_floats, default=[0.03, 0.15, 0.2], help="probe (query-probe selection) ratios")
+    p.add_argument("--probe-epic-k", type=int, default=0, help="probe: EPIC's first k per chunk inside its budget")
+    p.add_argument("--a3-ratios", type=_floats, default=[0.15], help="a3 (question attention at the check layer)")
+    p.add_argument("--a3-window", type=int, default=2, help="a3, blendq: ± neighbours the attention is smoothed over")
+    p.add_argument("--blendq-ratios", type=_floats, default=[0.12], help="blendq (deviation and attention ranks)")
     p.add_argument("--top-k", type=_positive, default=4)
     p.add_argument("--retrieval", choices=["given", "faiss"], default="given")
     p.add_argument("--chunk-prefill", choices=CHOICES["chunk_prefill"], default=None,
@@ -160,12 +167,14 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
 
     b = sub.add_parser("bench", help="benchmarks whose output goes into BENCHMARKS.md")
-    b.add_argument("what", choices=["load", "prefill", "blend", "store", "precompute", "retrieval", "http", "serve"])
+    b.add_argument("what", choices=["load", "prefill", "blend", "store", "precompute", "retrieval", "coverage",
+                                    "http", "serve"])
     b.add_argument("--tokens", type=_positive, default=2048, help="prefill: input length")
     b.add_argument("--repeats", type=_positive, default=5)
-    b.add_argument("--dataset", default="demo/data/musique_dev.json", help="blend, precompute: MuSiQue-format file")
+    b.add_argument("--dataset", default="demo/data/musique_dev.json",
+                   help="blend, precompute, coverage: MuSiQue-format file")
     b.add_argument("--question", type=int, default=0, help="blend: which question's passages")
-    b.add_argument("--passages", type=_ints, default=[4, 10], help="blend: passage counts, comma-separated")
+    b.add_argument("--passages", type=_ints, default=[4, 10], help="blend: passage counts; coverage: top-k values")
     b.add_argument("--chunk-prefill", choices=CHOICES["chunk_prefill"], default="alone")
     b.add_argument("--chunks", type=_positive, default=None, help="precompute: chunks (40); retrieval: index size (10000)")
     b.add_argument("--seconds", type=_positive, default=60, help="http: how long the load runs")
@@ -197,7 +206,8 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     a.add_argument("question")
     a.add_argument("-k", type=_positive, default=None, help="chunks to retrieve")
     a.add_argument("--mode", choices=MODES, default=None)
-    a.add_argument("--ratio", type=float, default=None, help="cacheblend: share of context rows recomputed")
+    a.add_argument("--ratio", type=float, default=None,
+                   help="cacheblend, probe, a3, blendq: share of context rows recomputed")
     a.add_argument("--epic-k", type=int, default=None, help="epic: tokens recomputed at each chunk's start")
     a.add_argument("--max-new-tokens", type=_positive, default=None)
     a.add_argument("--namespace", default="default")

@@ -7,7 +7,8 @@ from pathlib import Path
 from pydantic import ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-EVAL_MODES = ("full", "reuse", "prefix", "cacheblend", "epic")  # measurable against full prefill
+EVAL_MODES = ("full", "reuse", "prefix", "cacheblend", "epic", "probe", "a3", "blendq")  # measurable against full
+RATIO_MODES = ("cacheblend", "probe", "a3", "blendq")  # whose knob is the share of context rows recomputed
 MODES = (*EVAL_MODES, "auto")
 CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),

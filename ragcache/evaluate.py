@@ -4,7 +4,9 @@ Per question, each retrieved passage is one chunk whose KV is computed before an
 kept in the chosen tier. TTFT runs from the request start (loading chunk KVs from the tier)
 to the first token. Fidelity is measured against full prefill of the same tokens: answer F1,
 first-token agreement, KL(full ‖ mode) of the first token and, teacher-forced along the full
-answer, of up to 16 more.
+answer, of up to 16 more. Cost is reported twice: `recompute_fraction`, the share of passage
+tokens recomputed on the last layer, and `work_fraction`, linear-layer work over full prefill's
+(CacheBlend's all-row layers up to its check layer and the query probe's pass included).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from blend import CacheBlend, Epic, Full, Prefix, Reuse, compute_chunk, fuse_and_prefill, tokens_only
+from blend import (A3, BlendQ, CacheBlend, Epic, Full, Prefix, Probe, Reuse, compute_chunk, fuse_and_prefill,
+                   tokens_only)
 from blend.decode import Sampling, decode
 from blend.prompt import as_ids, encode
 
@@ -33,7 +36,7 @@ from .store.disk import DiskTier
 from .store.memory import MemoryTier
 
 METRICS = ("ttft_s_median", "speedup_vs_full", "f1_gold", "f1_vs_full", "top1_agree", "kl_first", "kl_tf",
-           "recompute_fraction")
+           "recompute_fraction", "work_fraction")
 
 
 @dataclass
@@ -42,6 +45,11 @@ class EvalConfig:
     modes: list[str] = field(default_factory=lambda: list(EVAL_MODES))
     ratios: list[float] = field(default_factory=lambda: [0.05, 0.15, 0.3, 0.5])
     epic_ks: list[int] = field(default_factory=lambda: [4, 16, 32])
+    probe_ratios: list[float] = field(default_factory=lambda: [0.03, 0.15, 0.2])
+    probe_epic_k: int = 0  # EPIC's first k per chunk inside every probe budget
+    a3_ratios: list[float] = field(default_factory=lambda: [0.15])
+    a3_window: int = 2
+    blendq_ratios: list[float] = field(default_factory=lambda: [0.12])
     top_k: int = 4
     retrieval: str = "given"  # given | faiss
     chunk_prefill: str = "alone"  # alone | prefixed
@@ -85,6 +93,10 @@ def policies(cfg: EvalConfig) -> list[tuple[str, object]]:
     try:
         out += [(f"cacheblend@{r:g}", CacheBlend(ratio=r)) for r in cfg.ratios] if "cacheblend" in cfg.modes else []
         out += [(f"epic@{k}", Epic(k=k)) for k in cfg.epic_ks] if "epic" in cfg.modes else []
+        out += [(f"probe@{r:g}", Probe(r, cfg.probe_epic_k)) for r in cfg.probe_ratios] if "probe" in cfg.modes else []
+        out += [(f"a3@{r:g}", A3(r, window=cfg.a3_window)) for r in cfg.a3_ratios] if "a3" in cfg.modes else []
+        out += ([(f"blendq@{r:g}", BlendQ(r, window=cfg.a3_window)) for r in cfg.blendq_ratios]
+                if "blendq" in cfg.modes else [])
     except ValueError as e:  # a knob out of range, named by the policy
         raise UserError(str(e)) from None
     return out
@@ -165,7 +177,7 @@ def _run_mode(service, passages: _Passages, keys, suffix, policy, cfg: EvalConfi
     recomputed = int(((last >= layout.prefix_len) & (last < layout.suffix_start)).sum())
     runner.release(fused.cache)
     return {"ttft_s": ttft, "first": first, "answer_ids": answer, "tf": tf,
-            "recompute_fraction": recomputed / max(context, 1)}
+            "recompute_fraction": recomputed / max(context, 1), "work_fraction": fused.work_fraction}
 
 
 def evaluate(service, cfg: EvalConfig, progress: bool = True) -> dict:
@@ -199,7 +211,7 @@ def evaluate(service, cfg: EvalConfig, progress: bool = True) -> dict:
                     "f1_vs_full": f1(text, full_text), "top1_agree": float(out["first"] == full["first"]),
                     "kl_first": float(kl(full["tf"][0], out["tf"][0])),
                     "kl_tf": float(kl(full["tf"][:m], out["tf"][:m]).mean()),
-                    "recompute_fraction": out["recompute_fraction"]}
+                    "recompute_fraction": out["recompute_fraction"], "work_fraction": out["work_fraction"]}
             per_question.append(row)
             if bar:
                 bar.update(1)
@@ -208,6 +220,7 @@ def evaluate(service, cfg: EvalConfig, progress: bool = True) -> dict:
         passages.store.close()
     return {"model": service.model.name, "dataset": str(cfg.dataset), "n": len(per_question), "top_k": cfg.top_k,
             "retrieval": cfg.retrieval, "chunk_prefill": cfg.chunk_prefill, "tier": cfg.tier,
+            "knobs": {"probe_epic_k": cfg.probe_epic_k, "a3_window": cfg.a3_window},
             "kv_dtype": passages.kv_dtype, "modes": _aggregate(per_question, [m for m, _ in modes]),
             "per_question": per_question}
 
@@ -222,7 +235,7 @@ def _aggregate(rows: list[dict], labels: list[str]) -> dict:
         out[label] = {"ttft_s_median": ttft, "speedup_vs_full": full_ttft / ttft, "f1_gold": mean("f1_gold"),
                       "f1_vs_full": mean("f1_vs_full"), "top1_agree": mean("top1_agree"),
                       "kl_first": mean("kl_first"), "kl_tf": mean("kl_tf"),
-                      "recompute_fraction": mean("recompute_fraction")}
+                      "recompute_fraction": mean("recompute_fraction"), "work_fraction": mean("work_fraction")}
     return out
 
 
@@ -259,11 +272,12 @@ def write_results(results: dict, out: Path) -> None:
 
 def table(results: dict) -> str:
     """The README's Markdown table."""
-    lines = ["| mode | TTFT s (median) | speedup vs full | recomputed | F1 vs full | top-1 agree | KL first | "
-             "KL teacher-forced | gold F1 |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | TTFT s (median) | speedup vs full | recomputed | work | F1 vs full | top-1 agree | "
+             "KL first | KL teacher-forced | gold F1 |", "|---|---|---|---|---|---|---|---|---|---|"]
     for label, m in results["modes"].items():
         lines.append(f"| {label} | {m['ttft_s_median']:.3f} | {m['speedup_vs_full']:.1f}× | "
-                     f"{m['recompute_fraction']:.0%} | {m['f1_vs_full']:.2f} | {m['top1_agree']:.2f} | "
+                     f"{m['recompute_fraction']:.0%} | {m['work_fraction']:.0%} | {m['f1_vs_full']:.2f} | "
+                     f"{m['top1_agree']:.2f} | "
                      f"{m['kl_first']:.3f} | {m['kl_tf']:.3f} | {m['f1_gold']:.2f} |")
     return "\n".join(lines)
 

@@ -21,6 +21,7 @@ from blend.batch import decode_batch
 from blend.decode import Sampling
 from blend.prompt import as_ids, conversation
 
+from .config import RATIO_MODES
 from .corpus import Corpus, check_query
 from .errors import NotFound, UserError
 from .ingest import same_tokenizer, unpack_ids
@@ -73,11 +74,13 @@ class Generation:
                 mode = "cacheblend"
             else:
                 mode = default.mode
-                ratio = default.param if mode == "cacheblend" else ratio
+                ratio = default.param if mode in RATIO_MODES else ratio
                 k = int(default.param) if mode == "epic" and default.param is not None else k
         s = self.p.settings
         knobs = {"cacheblend": {"ratio": s.cacheblend_ratio if ratio is None else ratio},
                  "epic": {"k": s.epic_k if k is None else k}}.get(mode, {})
+        if mode in RATIO_MODES and mode != "cacheblend" and ratio is not None:
+            knobs = {"ratio": ratio}  # else the policy's own default
         try:
             return make_policy(mode, **knobs)
         except ValueError as e:  # an unknown mode or a knob out of range, named by blend

@@ -15,7 +15,7 @@ def pareto(results: dict, path: Path) -> None:
     for i, (label, m) in enumerate(modes.items()):
         family = label.split("@")[0]
         color = {"full": "black", "reuse": "tab:red", "prefix": "tab:gray", "cacheblend": "tab:blue",
-                 "epic": "tab:green"}[family]
+                 "epic": "tab:green", "probe": "tab:purple", "a3": "tab:orange", "blendq": "tab:brown"}[family]
         x = max(m["speedup_vs_full"], 1e-3)
         top.scatter(x, m["f1_vs_full"], color=color)
         nudge = (4, 4 + 9 * (i % 3))  # modes at the same spot (full, prefix, cacheblend@1) stay readable

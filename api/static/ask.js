@@ -103,6 +103,8 @@ function showResult(d) {
   refreshRecent();
 }
 
+const RATIO_MODES = ["cacheblend", "probe", "a3", "blendq"];  // whose knob is the share recomputed
+
 async function ask(ev) {
   ev.preventDefault();
   if (askCtl) askCtl.abort();
@@ -111,7 +113,7 @@ async function ask(ev) {
   const body = {
     query: $("#ask-query").value.trim(), namespace: $("#ask-namespace").value.trim(),
     top_k: parseInt($("#ask-topk").value, 10), mode,
-    recompute_ratio: mode === "cacheblend" ? parseFloat($("#ask-ratio").value) : null,
+    recompute_ratio: RATIO_MODES.includes(mode) ? parseFloat($("#ask-ratio").value) : null,
     epic_k: mode === "epic" ? parseInt($("#ask-epic-k").value, 10) : null,
     max_tokens: parseInt($("#ask-max").value, 10), stream: true, explain: true,
   };
@@ -142,5 +144,5 @@ async function ask(ev) {
 
 function showModeInputs() {
   const mode = $("#ask-mode").value;
-  for (const l of document.querySelectorAll("[data-for-mode]")) l.hidden = l.dataset.forMode !== mode;
+  for (const l of document.querySelectorAll("[data-for-mode]")) l.hidden = !l.dataset.forMode.split(" ").includes(mode);
 }

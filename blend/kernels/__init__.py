@@ -70,6 +70,15 @@ def varlen_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Ten
     return reference.varlen_attention(q, ks, vs, q_pos, cu_rows, scale, plans)
 
 
+def attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """The question's attention on each key: softmax over all T keys per row and head, summed.
+
+    q (n, H, hd) of rows that see every key; k (Hkv, T, hd), H a multiple of Hkv → (T,) float32.
+    """
+    ops = _triton(q)
+    return (ops.attention_mass if ops else reference.attention_mass)(q, k, scale)
+
+
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Symmetric int8 with one scale per row: q (B, n, hd) int8, scale (B, n) float32 → (B, n, hd)."""
     ops = _triton(q)

@@ -136,6 +136,16 @@ def _bulk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tu
     return out.reshape(1, h, m, hd), lse.reshape(1, h, m)
 
 
+def attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (n, H, hd), k (Hkv, T, hd) → (T,) float32: softmax over the T keys per query row and head,
+    summed over rows and heads. Every key is visible to every row (the caller passes keys that all
+    precede the queries); query head j·g + i reads K/V head j, as GQA maps them."""
+    n, h, hd = q.shape
+    hkv = k.shape[0]
+    stacked = q.float().permute(1, 0, 2).reshape(hkv, (h // hkv) * n, hd)  # (Hkv, g·n, hd)
+    probs = torch.softmax(stacked @ k.float().transpose(1, 2) * scale, dim=-1)  # (Hkv, g·n, T)
+    return probs.sum(dim=(0, 1))
+
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """q (B, n, hd) int8, scale (B, n) float32 → (B, n, hd) in `dtype`."""

@@ -172,7 +172,91 @@ def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos:
     return out
 
 
-# ---- (d) int8 → float dequantization of stored KV, one scale per (layer·head, token) -------------
+# ---- (d) the question's attention mass on each context key (query-aware selection) ----------------
+
+
+@triton.jit
+def _qk(q, k, scale, IEEE: tl.constexpr, F32_DOT: tl.constexpr):
+    if IEEE:  # float32 stays float32: no TF32 rounding
+        return tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    elif F32_DOT:
+        return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
+    else:
+        return tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+
+
+@triton.jit
+def _mass_lse_kernel(Q, K, LSE, n, T, scale, stride_qn, stride_qh, stride_kh, stride_kt, GROUP: tl.constexpr,
+                     HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                     F32_DOT: tl.constexpr):
+    """Pass 1: log-sum-exp over all T keys of each (head, query row)."""
+    head = tl.program_id(1)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HD)
+    valid_m = offs_m < n
+    q = tl.load(Q + offs_m[:, None] * stride_qn + head * stride_qh + offs_d[None, :], mask=valid_m[:, None],
+                other=0.0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for start in range(0, T, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        k = tl.load(K + (head // GROUP) * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :],
+                    mask=offs_n[:, None] < T, other=0.0)
+        s = tl.where(offs_n[None, :] < T, _qk(q, k, scale, IEEE, F32_DOT), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+        m_i = m_new
+    tl.store(LSE + head * n + offs_m, m_i + tl.log(l_i), mask=valid_m)
+
+
+@triton.jit
+def _mass_sum_kernel(Q, K, LSE, OUT, n, T, scale, stride_qn, stride_qh, stride_kh, stride_kt, GROUP: tl.constexpr,
+                     HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                     F32_DOT: tl.constexpr):
+    """Pass 2: per block of keys of one K/V head, Σ over its query heads and rows of exp(s − lse)."""
+    kv_head = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HD)
+    valid_n = offs_n < T
+    k = tl.load(K + kv_head * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :], mask=valid_n[:, None],
+                other=0.0)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for i in range(0, GROUP):
+        head = kv_head * GROUP + i
+        for start in range(0, n, BLOCK_M):
+            offs_m = start + tl.arange(0, BLOCK_M)
+            valid_m = offs_m < n
+            q = tl.load(Q + offs_m[:, None] * stride_qn + head * stride_qh + offs_d[None, :],
+                        mask=valid_m[:, None], other=0.0)
+            lse = tl.load(LSE + head * n + offs_m, mask=valid_m, other=float("inf"))
+            p = tl.exp(_qk(q, k, scale, IEEE, F32_DOT) - lse[:, None])  # padding rows: exp(-inf) = 0
+            acc += tl.sum(p, axis=0)
+    tl.store(OUT + kv_head * T + offs_n, acc, mask=valid_n)
+
+
+def attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (n, H, hd), k (Hkv, T, hd) → (T,) float32: softmax over the T keys, summed over rows and heads."""
+    assert q.dim() == 3 and k.dim() == 3, (q.shape, k.shape)
+    n, h, hd = q.shape
+    hkv, t, _ = k.shape
+    assert k.shape[2] == hd and h % hkv == 0, (q.shape, k.shape)
+    assert q.stride(2) == 1 and k.stride(2) == 1, "head_dim must be contiguous"
+    assert _pow2(hd) and hd >= 16, f"head_dim {hd} must be a power of two >= 16"
+    assert q.dtype in _FLOATS and k.dtype == q.dtype, (q.dtype, k.dtype)
+    if n == 0 or t == 0:
+        return torch.zeros(t, dtype=torch.float32, device=q.device)
+    lse = torch.empty(h, n, dtype=torch.float32, device=q.device)
+    partial = torch.empty(hkv, t, dtype=torch.float32, device=q.device)
+    block_m = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
+    flags = dict(GROUP=h // hkv, HD=hd, BLOCK_M=block_m, BLOCK_N=64, IEEE=q.dtype == torch.float32,
+                 F32_DOT=_bf16_dot_broken(q.dtype))
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
+    _mass_lse_kernel[(triton.cdiv(n, block_m), h)](q, k, lse, n, t, scale, *strides, **flags)
+    _mass_sum_kernel[(triton.cdiv(t, 64), hkv)](q, k, lse, partial, n, t, scale, *strides, **flags)
+    return partial.sum(0)
+
+
+# ---- (e) int8 → float dequantization of stored KV, one scale per (layer·head, token) -------------
 
 
 @triton.jit

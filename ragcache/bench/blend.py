@@ -50,9 +50,9 @@ def run(settings, args) -> int:
                 rows.append([name, median(ts), full_s / median(ts), 1.0, 1.0, "", ""])
                 continue
             res = results[name]
-            speedup, ideal = full_s / median(ts), 1 / res.recompute_fraction
+            speedup, ideal = full_s / median(ts), 1 / res.work_fraction
             stages = {k: median([v]) for k, v in res.timings.items()}
-            rows.append([name, median(ts), speedup, res.recompute_fraction, ideal, speedup / ideal,
+            rows.append([name, median(ts), speedup, res.work_fraction, ideal, speedup / ideal,
                          stages["assemble"] * 1000])
         print(f"\n{n} passages, {total} tokens (prefix {len(prefix)}, suffix {suffix.numel()}), chunks computed "
               f"{args.chunk_prefill}; {model.name} {model.dtype} on {model.device}; "

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from blend import (CacheBlend, Epic, Full, Prefix, Reuse, compute_chunk, compute_prefix, fuse_and_prefill,
-                   make_policy)
+from blend import (A3, BlendQ, CacheBlend, Epic, Full, Prefix, Probe, Reuse, compute_chunk, compute_prefix,
+                   fuse_and_prefill, make_policy)
 from blend.decode import Sampling, decode
 from blend.prompt import as_ids, chat_frame, encode, stop_token_ids
 from blend.rope import delta_cos_sin
@@ -56,7 +56,8 @@ def _answer(runner, cache, logits):
 
 
 @pytest.mark.parametrize("policy", [Full(), CacheBlend(ratio=1.0), CacheBlend(ratio=1.0, by="k", gradual=3),
-                                    Epic(k=1000), Prefix()], ids=str)
+                                    Epic(k=1000), Prefix(), Probe(ratio=1.0), Probe(ratio=1.0, epic_k=8),
+                                    A3(ratio=1.0), BlendQ(ratio=1.0)], ids=str)
 def test_full_recompute_reproduces_full_prefill(smol_runner, parts, chunks, reference, policy):
     prefix, _, suffix = parts
     res = fuse_and_prefill(smol_runner, prefix, chunks, suffix, policy, headroom=12)
@@ -79,7 +80,7 @@ def test_partial_policies_recompute_what_they_say(smol_runner, parts, chunks):
     assert rows[0].numel() == stale + s and rows[2].numel() == -(-stale * 2 // 10) + s
     assert set(range(reuse.layout.suffix_start, reuse.layout.total)) <= set(rows[2].tolist())
     assert rows[2].min() >= len(prefix)  # the prefix is never recomputed
-    assert 0 < blend.recompute_fraction < 0.5 and reuse.recompute_fraction < blend.recompute_fraction
+    assert 0 < blend.work_fraction < 0.5 and reuse.work_fraction < blend.work_fraction
     for res in (reuse, epic, blend):
         assert torch.isfinite(res.logits).all()
 

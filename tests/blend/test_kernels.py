@@ -120,3 +120,22 @@ def test_varlen_attention_matches_reference(dtype, h, hkv, hd):
                                              pos[a:b].cpu(), hd**-0.5)
         assert torch.equal(ref[a:b], alone)
     assert torch.allclose(ours.cpu().float(), ref, atol=TOL[dtype] * 5, rtol=TOL[dtype] * 5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h,hkv,hd,n,t", [(9, 3, 64, 30, 300), (4, 4, 32, 1, 70), (8, 1, 128, 70, 64)])
+def test_attention_mass_matches_reference(dtype, h, hkv, hd, n, t):
+    q = _randn(n, h, hd, dtype=dtype, seed=9)
+    k = _randn(hkv, t, hd, dtype=dtype, seed=10)
+    ours = triton_ops.attention_mass(q, k, hd**-0.5)
+    ref = reference.attention_mass(q.cpu().float(), k.cpu().float(), hd**-0.5)
+    assert ours.dtype == torch.float32 and ours.shape == (t,)
+    assert torch.allclose(ours.cpu(), ref, atol=TOL[dtype] * 5 * n * h / t, rtol=TOL[dtype] * 5)
+
+
+def test_attention_mass_reference_is_the_softmax_written_out():
+    """Each (row, head) spreads a mass of 1 over the keys; GQA: head j reads K/V head j // group."""
+    q, k = torch.randn(5, 6, 16), torch.randn(2, 40, 16)
+    out = reference.attention_mass(q, k, 0.25)
+    naive = sum(torch.softmax(q[i, head] @ k[head // 3].T * 0.25, dim=0) for i in range(5) for head in range(6))
+    assert torch.allclose(out, naive, atol=1e-5) and abs(float(out.sum()) - 30) < 1e-3

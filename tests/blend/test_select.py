@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from blend.runner import Check
 from blend.select import CacheBlend, Epic, Full, Layout, Prefix, Reuse
 
 # prefix [0, 10), chunks [10, 30) exact in place, [30, 50), [50, 60); suffix [60, 65)
@@ -37,9 +38,9 @@ def test_cacheblend_keeps_the_most_deviating_context_rows_and_the_suffix():
     dev[rows == 57] = 9.0
     dev[rows == 41] = 1.0
     dev[rows == 62] = 100.0  # suffix rows never compete: they are always kept
-    keep = plan.row_filter(1, rows, torch.zeros_like(dev), dev)
+    keep = plan.row_filter(_check(1, rows, torch.zeros_like(dev), dev))
     assert rows[keep].tolist() == [33, 41, 57, 60, 61, 62, 63, 64]  # ceil(0.1 × 30 stale rows) = 3
-    by_k = CacheBlend(ratio=0.1, by="k").plan(LAYOUT, 4).row_filter(1, rows, dev, torch.zeros_like(dev))
+    by_k = CacheBlend(ratio=0.1, by="k").plan(LAYOUT, 4).row_filter(_check(1, rows, dev, torch.zeros_like(dev)))
     assert rows[by_k].tolist() == [33, 41, 57, 60, 61, 62, 63, 64]
 
 
@@ -49,3 +50,8 @@ def test_gradual_filtering_shrinks_over_check_layers():
     plan = policy.plan(LAYOUT, 8)
     assert plan.deviation_layers == {1, 2, 3}
     assert [plan.row_filter.targets[l] for l in (1, 2, 3)] == [12, 9, 6]
+
+
+def _check(layer, rows, dev_k, dev_v):
+    """A check whose queries and keys no deviation filter reads."""
+    return Check(layer, rows, dev_k, dev_v, torch.zeros(rows.numel(), 1, 16), torch.zeros(1, 80, 16), 0.25)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from blend import A3, BlendQ, Probe
 from ragcache.config import Settings
 from ragcache.evaluate import METRICS, EvalConfig, load_dataset, policies
 from ragcache.errors import UserError
@@ -28,26 +29,33 @@ def test_eval_writes_valid_results_and_full_recompute_matches_full(tmp_path, tin
     env = {**os.environ, "RAGCACHE_HOME": str(tmp_path / "home"), "RAGCACHE_MODEL": str(smollm.path)}
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "ragcache.cli", "eval", "--dataset", str(tiny), "--top-k", "2",
-                        "--modes", "full,reuse,cacheblend,epic", "--ratios", "1.0,0.15", "--epic-k", "4", "--chunk-prefill", "alone",
+                        "--modes", "full,reuse,cacheblend,epic,probe", "--ratios", "1.0,0.15", "--epic-k", "4",
+                        "--probe-ratios", "1.0,0.1", "--probe-epic-k", "2", "--chunk-prefill", "alone",
                         "--max-new-tokens", "8", "--out", str(out), "--quiet"], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     res = json.loads((out / "results.json").read_text())
     assert {"model", "dataset", "n", "top_k", "modes", "per_question"} <= set(res) and res["n"] == 2
-    assert list(res["modes"]) == ["full", "reuse", "cacheblend@1", "cacheblend@0.15", "epic@4"]
+    assert list(res["modes"]) == ["full", "reuse", "cacheblend@1", "cacheblend@0.15", "epic@4", "probe@1", "probe@0.1"]
+    assert res["knobs"]["probe_epic_k"] == 2
     for m in res["modes"].values():
         assert set(m) == set(METRICS)
     full, exact = res["modes"]["full"], res["modes"]["cacheblend@1"]
     assert full["f1_vs_full"] == 1 and full["kl_tf"] == 0 and full["top1_agree"] == 1
     assert exact["f1_vs_full"] == 1 and exact["top1_agree"] == 1 and exact["kl_tf"] < 1e-6
     assert exact["recompute_fraction"] == 1 and res["modes"]["reuse"]["recompute_fraction"] == 0
+    assert exact["work_fraction"] == pytest.approx(1) and res["modes"]["reuse"]["work_fraction"] < 0.05
     assert res["modes"]["reuse"]["speedup_vs_full"] > 1
+    probe, probe_exact = res["modes"]["probe@0.1"], res["modes"]["probe@1"]
+    assert probe_exact["kl_tf"] < 1e-6 and probe_exact["top1_agree"] == 1
+    assert 0 < probe["recompute_fraction"] < probe["work_fraction"] < 0.5  # work counts the suffix and the probe
     assert (out / "results.csv").read_text().splitlines()[0] == "mode," + ",".join(METRICS)
     assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_calibrate_stores_the_fastest_mode_within_the_target(tmp_path, tiny, smollm):
     from ragcache.calibrate import calibrate
+    from ragcache.meta import ModelDefault
     from ragcache.service import RagCache
 
     service = RagCache(Settings(home=tmp_path / "home", model=str(smollm.path)))
@@ -59,6 +67,11 @@ def test_calibrate_stores_the_fastest_mode_within_the_target(tmp_path, tiny, smo
     loose = calibrate(service, cfg, target_kl=10.0, progress=False)
     assert loose.mode == "reuse" and loose.speedup > 1  # everything fits: the fastest wins
     assert service.policy_for("auto").name == "reuse"
+    with service.db.session() as s:  # what calibrate stores for a query-aware mode, read back by `auto`
+        s.merge(ModelDefault(fingerprint=service.model.fingerprint, mode="probe", param=0.2, target_kl=0.1,
+                             measured_kl=0.05, speedup=5.0, dataset="x"))
+    assert service.policy_for("auto") == Probe(ratio=0.2)
+    assert service.policy_for("blendq", ratio=0.3) == BlendQ(ratio=0.3) and service.policy_for("a3") == A3()
     service.close()
 
 

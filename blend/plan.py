@@ -1,0 +1,43 @@
+"""A fused sequence's layout and a policy's plan for it: the types every selection policy shares."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .runner import RowFilter
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where things sit in the fused sequence: prefix [0, P), chunks, suffix [suffix_start, total)."""
+
+    prefix_len: int
+    spans: list[tuple[int, int]]  # [start, end) of each chunk
+    exact: list[bool]  # chunk KV already equals a full prefill's at its place
+    total: int
+
+    @property
+    def suffix_start(self) -> int:
+        return self.spans[-1][1] if self.spans else self.prefix_len
+
+    def suffix(self) -> torch.Tensor:
+        return torch.arange(self.suffix_start, self.total)
+
+    def stale_spans(self) -> list[tuple[int, int]]:
+        return [s for s, ok in zip(self.spans, self.exact) if not ok]
+
+    def stale_rows(self) -> torch.Tensor:
+        spans = self.stale_spans()
+        return torch.cat([torch.arange(a, b) for a, b in spans]) if spans else torch.empty(0, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class Plan:
+    rows: torch.Tensor  # (n,) ascending: recomputed from layer 0
+    deviation_layers: frozenset[int] = frozenset()
+    row_filter: RowFilter | None = None
+    # set: `rows` are only the probe's (the suffix, run through every layer against the fused cache
+    # first); called with the question's attention on each context row (C,) it gives the real plan
+    probe: Callable[[torch.Tensor], "Plan"] | None = None
