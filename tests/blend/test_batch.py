@@ -7,6 +7,7 @@ import torch
 
 from blend import CacheBlend, Epic, Full, Model, Reuse, Runner, compute_chunk, compute_prefix, fuse_and_prefill
 from blend.batch import decode_batch, fuse_batch
+from blend.select_query import A3, Probe
 from tests.conftest import tiny_hf_model
 
 TOL = 1e-4
@@ -80,7 +81,8 @@ def test_batched_recompute_matches_each_prefill_alone(runner):
     prefix = compute_prefix(runner, _ids(runner, 9, seed=10))
     requests = []
     for r, (policy, sizes) in enumerate([(CacheBlend(0.15), [60, 45, 80]), (Epic(4), [30, 70]),
-                                         (Full(), [25, 40]), (Reuse(), [50])]):
+                                         (Full(), [25, 40]), (Reuse(), [50]), (Probe(0.2), [40, 35]),
+                                         (A3(0.2), [30, 50])]):
         chunks = [compute_chunk(runner, _ids(runner, n, seed=20 + 5 * r + c), prefix) for c, n in enumerate(sizes)]
         requests.append((prefix, chunks, _ids(runner, 7 + r, seed=40 + r), policy, 4))
     batched = fuse_batch(runner, requests)
@@ -89,6 +91,7 @@ def test_batched_recompute_matches_each_prefill_alone(runner):
         assert torch.allclose(got.logits, alone.logits, atol=TOL, rtol=TOL), (req[3], (got.logits - alone.logits).abs().max())
         _same_pick(got.logits, alone.logits)
         assert [torch.equal(a, b) for a, b in zip(got.kv_rows, alone.kv_rows)] == [True] * runner.num_layers
+        assert got.work_fraction == alone.work_fraction  # the query probe's pass counted in both
         n = alone.layout.total
         assert torch.allclose(got.cache.k[:, :, :n], alone.cache.k[:, :, :n], atol=TOL, rtol=TOL)
         for res in (got, alone):
