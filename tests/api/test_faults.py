@@ -79,7 +79,7 @@ def test_full_queue_is_429_and_large_body_413(fresh_server):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         codes = list(pool.map(lambda _: httpx.post(f"{s.url}/v1/rag/generate", json=slow, timeout=300), range(4)))
     statuses = sorted(r.status_code for r in codes)
-    assert statuses.count(200) >= 2 and 429 in statuses, statuses
+    assert set(statuses) == {200, 429}, statuses  # past the one waiting request (retrieval, KV loads): refused
     busy = next(r for r in codes if r.status_code == 429)
     assert int(busy.headers["retry-after"]) >= 1 and "RAGCACHE_MAX_QUEUE" in busy.json()["error"]["message"]
     big = httpx.post(f"{s.url}/v1/documents", content=b"x" * 5000, headers={"content-type": "application/json"})
