@@ -18,7 +18,7 @@ import torch
 from . import kernels
 from .cache import KVCache
 from .fuse import FusedResult, finish_fused, stage
-from .runner import Check, RowFilter, Runner, Selected
+from .runner import Check, RowFilter, Runner, Selected, write_rows
 
 
 @dataclass
@@ -88,13 +88,7 @@ def _write(runner: Runner, it: Rows, l: int, rows: torch.Tensor, q: torch.Tensor
         deviations[l] = (rows, *dev)
         keep = it.row_filter(Check(l, rows, *dev, q, ck, runner.scale)) if it.row_filter is not None else None
         return keep if keep is not None and keep.shape[0] != rows.shape[0] else None
-    first, end = int(rows[0]), int(rows[-1]) + 1
-    if end - first == rows.shape[0]:  # contiguous rows: a plain slice write
-        ck[:, first:end] = k.transpose(0, 1)
-        cv[:, first:end] = v.transpose(0, 1)
-    else:
-        ck.index_copy_(1, rows, k.transpose(0, 1))
-        cv.index_copy_(1, rows, v.transpose(0, 1))
+    write_rows(ck, cv, rows, k, v, int(rows[0]), int(rows[-1]) + 1)
     return None
 
 

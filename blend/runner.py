@@ -212,12 +212,8 @@ class Runner:
                     rows, x, q, cos, sin = rows[keep], x[keep], q[keep], cos[keep], sin[keep]
                     first, end = int(rows[0]), int(rows[-1]) + 1
                     plan = kernels.attention_plan(rows)
-            elif end - first == rows.shape[0]:  # contiguous rows: a plain slice write
-                ck[:, first:end] = k.transpose(0, 1)
-                cv[:, first:end] = v.transpose(0, 1)
             else:
-                ck.index_copy_(1, rows, k.transpose(0, 1))
-                cv.index_copy_(1, rows, v.transpose(0, 1))
+                write_rows(ck, cv, rows, k, v, first, end)
             out_rows.append(rows)
             x = self._finish(l, x, kernels.selected_attention(q, ck[:, :end], cv[:, :end], rows, self.scale, plan))
         logits = self._logits(x) if all_logits else self._logits(x[-1:])[0]
@@ -232,6 +228,18 @@ class Runner:
     def _check_positions(self, pos: torch.Tensor) -> None:
         if pos.numel() and int(pos.max()) >= self.max_positions:
             raise ValueError(f"position {int(pos.max())} exceeds the model's limit of {self.max_positions}")
+
+
+def write_rows(ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               first: int, end: int) -> None:
+    """New K/V (n, Hkv, hd) of `rows` (ascending, from `first` to `end` - 1) into one layer's cache
+    (Hkv, capacity, hd): a plain slice write when the rows are contiguous."""
+    if end - first == rows.shape[0]:
+        ck[:, first:end] = k.transpose(0, 1)
+        cv[:, first:end] = v.transpose(0, 1)
+    else:
+        ck.index_copy_(1, rows, k.transpose(0, 1))
+        cv.index_copy_(1, rows, v.transpose(0, 1))
 
 
 def _max_positions(cfg) -> int:

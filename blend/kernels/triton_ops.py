@@ -101,30 +101,21 @@ def deviation_scatter_(cache: torch.Tensor, rows: torch.Tensor, new: torch.Tenso
 
 
 @triton.jit
-def _selected_attention_kernel(Q, K, V, O, QPOS, n, T, scale, stride_qn, stride_qh, stride_kh, stride_kt,
-                               stride_vh, stride_vt, stride_on, stride_oh, GROUP: tl.constexpr,
-                               HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                               F32_DOT: tl.constexpr):
-    pid_m = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+def _attend_rows(q, q_pos, k_base, stride_kt, v_base, stride_vt, t_len, scale, HD: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, F32_DOT: tl.constexpr):
+    """Online-softmax attention of one head's block of query rows q (BLOCK_M, HD) over keys [0, t_len),
+    key t at k_base + t·stride_kt, causal by absolute position (row i sees t ≤ q_pos[i]) → (BLOCK_M, HD) float32.
+    Keys past the block's last position are never read."""
     offs_d = tl.arange(0, HD)
-    valid_m = offs_m < n
-    q_pos = tl.load(QPOS + offs_m, mask=valid_m, other=0)  # padding rows see key 0 only: no NaN
-    q = tl.load(Q + offs_m[:, None] * stride_qn + head * stride_qh + offs_d[None, :], mask=valid_m[:, None],
-                other=0.0)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HD), dtype=tl.float32)
-    last = tl.minimum(tl.max(q_pos, axis=0) + 1, T)  # keys past the block's last position: never read
+    last = tl.minimum(tl.max(q_pos, axis=0) + 1, t_len)
     for start in range(0, last, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        in_range = offs_n < T
-        k = tl.load(K + kv_head * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :],
-                    mask=in_range[:, None], other=0.0)
-        v = tl.load(V + kv_head * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :],
-                    mask=in_range[:, None], other=0.0)
+        in_range = offs_n < t_len
+        k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=in_range[:, None], other=0.0)
         if IEEE:  # float32 stays float32: no TF32 rounding
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_M, BLOCK_N)
         elif F32_DOT:
@@ -144,7 +135,25 @@ def _selected_attention_kernel(Q, K, V, O, QPOS, n, T, scale, stride_qn, stride_
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m_i = m_new
-    out = acc / l_i[:, None]
+    return acc / l_i[:, None]
+
+
+@triton.jit
+def _selected_attention_kernel(Q, K, V, O, QPOS, n, T, scale, stride_qn, stride_qh, stride_kh, stride_kt,
+                               stride_vh, stride_vt, stride_on, stride_oh, GROUP: tl.constexpr,
+                               HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                               F32_DOT: tl.constexpr):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HD)
+    valid_m = offs_m < n
+    q_pos = tl.load(QPOS + offs_m, mask=valid_m, other=0)  # padding rows see key 0 only: no NaN
+    q = tl.load(Q + offs_m[:, None] * stride_qn + head * stride_qh + offs_d[None, :], mask=valid_m[:, None],
+                other=0.0)
+    out = _attend_rows(q, q_pos, K + kv_head * stride_kh, stride_kt, V + kv_head * stride_vh, stride_vt, T, scale,
+                       HD, BLOCK_M, BLOCK_N, IEEE, F32_DOT)
     tl.store(O + offs_m[:, None] * stride_on + head * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=valid_m[:, None])
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ops import _FLOATS, _bf16_dot_broken, _pow2
+from .triton_ops import _FLOATS, _attend_rows, _bf16_dot_broken, _pow2
 
 
 @triton.jit
@@ -34,35 +34,7 @@ def _varlen_kernel(Q, K, V, O, QPOS, BLK_SEQ, BLK_START, BLK_END, K_OFF, V_OFF, 
     q_pos = tl.load(QPOS + offs_m, mask=valid_m, other=0)  # padding rows see key 0 only: no NaN
     q = tl.load(Q + offs_m[:, None] * stride_qn + head * stride_qh + offs_d[None, :], mask=valid_m[:, None],
                 other=0.0)
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, HD), dtype=tl.float32)
-    last = tl.minimum(tl.max(q_pos, axis=0) + 1, t_len)
-    for start in range(0, last, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        in_range = offs_n < t_len
-        k = tl.load(k_base + offs_n[:, None] * HD + offs_d[None, :], mask=in_range[:, None], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * HD + offs_d[None, :], mask=in_range[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_M, BLOCK_N)
-        elif F32_DOT:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
-        else:
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-        visible = (offs_n[None, :] <= q_pos[:, None]) & in_range[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        elif F32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
-    out = acc / l_i[:, None]
+    out = _attend_rows(q, q_pos, k_base, HD, v_base, HD, t_len, scale, HD, BLOCK_M, BLOCK_N, IEEE, F32_DOT)
     tl.store(O + offs_m[:, None] * stride_on + head * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=valid_m[:, None])
 
