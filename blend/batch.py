@@ -72,6 +72,11 @@ def forward_batch(runner: Runner, items: list[Rows]) -> list[Selected]:
         attn = kernels.varlen_attention(q, [it.cache.k[l][:, :e] for it, e in zip(items, ends)],
                                         [it.cache.v[l][:, :e] for it, e in zip(items, ends)], torch.cat(rows), cu,
                                         runner.scale, plans)  # (N', H, hd)
+        for i, it in enumerate(items):  # APE: a re-weighted cache's rows again, its question's re-weighted
+            if it.cache.reweight is not None:
+                a, b = cu[i], cu[i + 1]
+                attn[a:b] = it.cache.reweight.attention(l, kv_rows[i][-1], q[a:b], it.cache.k[l][:, : ends[i]],
+                                                        it.cache.v[l][:, : ends[i]], rows[i], runner.scale, plans[i])
         x = runner._finish(l, x, attn)
     last = torch.tensor([c - 1 for c in cu[1:]], device=dev)
     logits = runner._logits(x[last])  # (B, V)

@@ -7,12 +7,14 @@ import torch
 class KVCache:
     """Per-layer K (post-RoPE) and V of one sequence. Row i holds absolute position i.
 
-    k, v: (L, Hkv, capacity, hd); rows [0, length) are valid.
+    k, v: (L, Hkv, capacity, hd); rows [0, length) are valid. `reweight`: set by fusion when the
+    question's attention to cached context is re-weighted (`blend.reweight.Stale`), else None.
     """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, length: int = 0):
         assert k.shape == v.shape and k.dim() == 4, (k.shape, v.shape)
         self.k, self.v, self.length = k, v, length
+        self.reweight = None
 
     @classmethod
     def empty(cls, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,

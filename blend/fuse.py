@@ -11,6 +11,7 @@ import torch
 from . import kernels
 from .cache import KVCache
 from .chunk import ALONE, ChunkKV, PrefixKV
+from .reweight import Stale
 from .rope import delta_cos_sin
 from .runner import Runner, Selected
 from .select import Layout, Plan
@@ -27,14 +28,15 @@ class FusedResult:
     row_work: tuple[int, int]  # multiply-adds per row and layer: (q/k/v, the rest)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage: assemble, recompute
     deviations: dict = field(default_factory=dict)  # check layer → (rows, ||ΔK||², ||ΔV||²): what cacheblend ranked
-    probe_rows: int = 0  # rows the query probe ran through every layer before the plan was made
+    probe_rows: int = 0  # rows the query probe ran through `probe_layers` layers before the plan was made
+    probe_layers: int = 0
 
     @property
     def work_fraction(self) -> float:
         """Linear-layer work (the probe's included) over a full prefill's after the prefix; attention not counted."""
         qkv, rest = self.row_work
         done = sum(qkv * kv.numel() + rest * out.numel() for kv, out in zip(self.kv_rows, self.out_rows))
-        done += len(self.kv_rows) * self.probe_rows * (qkv + rest)
+        done += self.probe_layers * self.probe_rows * (qkv + rest)
         full = len(self.kv_rows) * (self.layout.total - self.layout.prefix_len) * (qkv + rest)
         return done / max(full, 1)
 
@@ -107,12 +109,14 @@ class Staged:
     assemble_s: float
     probe_s: float = 0.0  # the query probe, when the policy has one (its plan is made after it)
     probe_rows: int = 0
+    probe_layers: int = 0
 
 
 def stage(runner: Runner, prefix_kv: PrefixKV | None, chunk_kvs: list[ChunkKV], suffix_ids: torch.Tensor, policy,
           headroom: int = 0) -> Staged:
     """Lay out, plan, assemble and (for a query-probe policy) probe: see `fuse_and_prefill`; the
-    recompute is left to the caller."""
+    recompute is left to the caller. A policy with an active `reweight` (APE) marks the cache's
+    stale context for the question's attention."""
     if suffix_ids.numel() == 0:
         raise ValueError("the query suffix must hold at least one token")
     t0 = time.perf_counter()
@@ -122,18 +126,21 @@ def stage(runner: Runner, prefix_kv: PrefixKV | None, chunk_kvs: list[ChunkKV], 
     parts = ([prefix_kv.token_ids] if prefix_kv is not None else []) + [c.token_ids for c in chunk_kvs]
     token_ids = torch.cat([*parts, suffix_ids.cpu()])
     t1 = time.perf_counter()
-    probe_rows = 0
+    probe_rows = probe_layers = 0
     if plan.probe is not None:  # the probe's time is the mode's: it counts as recompute
-        mass = _probe(runner, cache, token_ids, layout, plan.rows)
-        probe_rows = plan.rows.numel()
+        probe_rows, probe_layers = plan.rows.numel(), min(plan.probe_layers or runner.num_layers, runner.num_layers)
+        mass = _probe(runner, cache, token_ids, layout, plan.rows, probe_layers)
         plan = plan.probe(mass)
-    return Staged(layout, plan, cache, token_ids, t1 - t0, time.perf_counter() - t1, probe_rows)
+    reweight = getattr(policy, "reweight", None)
+    if reweight is not None and reweight.active:
+        cache.reweight = Stale(reweight, layout, runner.num_layers, runner.device)
+    return Staged(layout, plan, cache, token_ids, t1 - t0, time.perf_counter() - t1, probe_rows, probe_layers)
 
 
 def finish_fused(runner: Runner, staged: Staged, out: Selected, recompute_s: float) -> FusedResult:
     return FusedResult(out.logits, staged.cache, staged.token_ids, staged.layout, out.kv_rows, out.out_rows,
                        runner.row_work(), {"assemble": staged.assemble_s, "recompute": staged.probe_s + recompute_s},
-                       out.deviations, staged.probe_rows)
+                       out.deviations, staged.probe_rows, staged.probe_layers)
 
 
 def fuse_and_prefill(runner: Runner, prefix_kv: PrefixKV | None, chunk_kvs: list[ChunkKV],
@@ -150,14 +157,15 @@ def fuse_and_prefill(runner: Runner, prefix_kv: PrefixKV | None, chunk_kvs: list
     return finish_fused(runner, s, out, time.perf_counter() - t0)
 
 
-def _probe(runner: Runner, cache: KVCache, token_ids: torch.Tensor, layout: Layout, rows: torch.Tensor) -> torch.Tensor:
-    """Run `rows` (the suffix) through every layer against the fused cache as it is; → (C,) float32:
-    the attention they give each context row, averaged over layers. Their K/V land in the cache
-    and are overwritten by the recompute that follows."""
+def _probe(runner: Runner, cache: KVCache, token_ids: torch.Tensor, layout: Layout, rows: torch.Tensor,
+           layers: int) -> torch.Tensor:
+    """Run `rows` (the suffix) through the first `layers` layers against the fused cache as it is;
+    → (C,) float32: the attention they give each context row, averaged over those layers. Their K/V
+    land in the cache and are overwritten by the recompute that follows."""
     mass = _MassSum(layout)
-    runner.forward_selected(cache, token_ids[rows], rows, deviation_layers=frozenset(range(runner.num_layers)),
-                            row_filter=mass)
-    return mass.total / runner.num_layers
+    runner.forward_selected(cache, token_ids[rows], rows, deviation_layers=frozenset(range(layers)),
+                            row_filter=mass, layers=layers)
+    return mass.total / layers
 
 
 class _MassSum:

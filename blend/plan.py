@@ -41,3 +41,4 @@ class Plan:
     # set: `rows` are only the probe's (the suffix, run through every layer against the fused cache
     # first); called with the question's attention on each context row (C,) it gives the real plan
     probe: Callable[[torch.Tensor], "Plan"] | None = None
+    probe_layers: int = 0  # the probe runs through the first this many layers (0: all)

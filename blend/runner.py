@@ -180,14 +180,15 @@ class Runner:
     @torch.inference_mode()
     def forward_selected(self, cache: KVCache, token_ids: torch.Tensor, rows: torch.Tensor, *,
                          deviation_layers: frozenset[int] = frozenset(), row_filter: RowFilter | None = None,
-                         all_logits: bool = False) -> Selected:
+                         all_logits: bool = False, layers: int | None = None) -> Selected:
         """Recompute `rows` (n,) ascending, whose tokens are `token_ids` (n,), against `cache`.
 
         Row r is at position r and sees every row ≤ r. Recomputed K/V overwrite the cache.
         Rows past cache.length extend it (decode). At each layer in `deviation_layers` the
         per-row ||new − cached||² of K and V is measured as they are written; `row_filter` then
         picks the rows that go on. The others' K/V at that layer are fresh, but their attention
-        and MLP are skipped there: no later layer would read their output.
+        and MLP are skipped there: no later layer would read their output. `layers`: run only the
+        first that many (a probe: its logits are empty).
         """
         rows = rows.to(self.device)
         end = int(rows[-1]) + 1
@@ -200,7 +201,8 @@ class Runner:
         deviations = {}
         plan, (cos, sin) = kernels.attention_plan(rows), self.rope(rows)
         first = int(rows[0])
-        for l in range(self.num_layers):
+        reweight = cache.reweight
+        for l in range(self.num_layers if layers is None else layers):
             kv_rows.append(rows)
             q, k, v = self._qkv(l, x, cos, sin)
             ck, cv = cache.k[l], cache.v[l]  # (Hkv, capacity, hd)
@@ -215,7 +217,13 @@ class Runner:
             else:
                 write_rows(ck, cv, rows, k, v, first, end)
             out_rows.append(rows)
-            x = self._finish(l, x, kernels.selected_attention(q, ck[:, :end], cv[:, :end], rows, self.scale, plan))
+            if reweight is None:
+                attn = kernels.selected_attention(q, ck[:, :end], cv[:, :end], rows, self.scale, plan)
+            else:  # APE (blend/reweight.py)
+                attn = reweight.attention(l, kv_rows[-1], q, ck[:, :end], cv[:, :end], rows, self.scale, plan)
+            x = self._finish(l, x, attn)
+        if layers is not None and layers < self.num_layers:
+            return Selected(torch.empty(0), kv_rows, out_rows, deviations)
         logits = self._logits(x) if all_logits else self._logits(x[-1:])[0]
         return Selected(logits, kv_rows, out_rows, deviations)
 

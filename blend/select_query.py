@@ -1,10 +1,10 @@
 """Query-aware selection: recompute the context rows the question attends to.
 
-- `Probe` (ProphetKV, arXiv 2602.02579): the question's rows alone run through every layer against
-  the naively fused cache; each stale context row is scored by the attention the question gives
-  it (softmax over the context keys, summed over heads and question rows, averaged over layers);
-  the top `ratio` of them, with the first `epic_k` of every stale chunk counted in that budget,
-  are recomputed from layer 0 on every layer.
+- `Probe` (ProphetKV, arXiv 2602.02579): the question's rows alone run through every layer (or the
+  first `layers`: a cheaper probe) against the naively fused cache; each stale context row is
+  scored by the attention the question gives it (softmax over the context keys, summed over heads
+  and question rows, averaged over layers); the top `ratio` of them, with the first `epic_k` of
+  every stale chunk counted in that budget, are recomputed from layer 0 on every layer.
 - `A3` (arXiv 2511.17560): CacheBlend's pass (every stale row up to `check_layer`), ranking at the
   check layer by the question's attention there, smoothed over ±`window` neighbours.
 - `BlendQ`: the same pass, ranking by the sum of the row's rank in KV deviation and in question
@@ -37,16 +37,17 @@ def _check_ratio(name: str, ratio: float) -> None:
 class Probe:
     ratio: float = 0.15
     epic_k: int = 0
+    layers: int = 0  # probe through the first this many layers; 0: all
     name = "probe"
     reads_chunk_kv = True
 
     def __post_init__(self):
         _check_ratio(self.name, self.ratio)
-        if self.epic_k < 0:
-            raise ValueError("probe epic_k must be >= 0")
+        if self.epic_k < 0 or self.layers < 0:
+            raise ValueError("probe epic_k and layers must be >= 0")
 
     def plan(self, layout: Layout, num_layers: int) -> Plan:
-        return Plan(layout.suffix(), probe=lambda mass: Plan(self.choose(layout, mass)))
+        return Plan(layout.suffix(), probe=lambda mass: Plan(self.choose(layout, mass)), probe_layers=self.layers)
 
     def choose(self, layout: Layout, mass: torch.Tensor) -> torch.Tensor:
         """mass (C,) over context rows [prefix_len, suffix_start) → rows (n,) ascending to recompute."""

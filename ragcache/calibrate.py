@@ -25,8 +25,9 @@ def calibrate(service, cfg: EvalConfig, target_kl: float, progress: bool = True)
     if not target_kl >= 0:  # NaN too
         raise UserError("--target-kl must be >= 0")
     results = evaluate(service, cfg, progress)
+    # a label with a "+" (a probe through fewer layers, APE) is measured but not a mode@param a request names
     fits = [(m["speedup_vs_full"], label, m["kl_tf"]) for label, m in results["modes"].items()
-            if m["kl_tf"] <= target_kl]
+            if m["kl_tf"] <= target_kl and "+" not in label]
     speedup, label, measured = max(fits)  # full (KL 0) always fits
     mode, _, param = label.partition("@")
     choice = Choice(mode, float(param) if param else None, measured, speedup)

@@ -79,6 +79,13 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def _pair(text: str) -> tuple[float, float]:
+    values = _floats(text)
+    if len(values) != 2:
+        raise argparse.ArgumentTypeError(f"expected T,S (two numbers), got {text!r}")
+    return values[0], values[1]
+
+
 def _ints(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x]
@@ -92,7 +99,8 @@ def _eval_config(args, settings):
     from .evaluate import EvalConfig
 
     return EvalConfig(Path(args.dataset), modes=args.modes.split(","), ratios=args.ratios, epic_ks=args.epic_k,
-                      probe_ratios=args.probe_ratios, probe_epic_k=args.probe_epic_k, a3_ratios=args.a3_ratios,
+                      probe_ratios=args.probe_ratios, probe_epic_k=args.probe_epic_k, probe_layers=args.probe_layers,
+                      ape=args.ape or [], a3_ratios=args.a3_ratios,
                       a3_window=args.a3_window, blendq_ratios=args.blendq_ratios,
                       top_k=args.top_k, retrieval=args.retrieval,
                       chunk_prefill=args.chunk_prefill or settings.chunk_prefill,
@@ -133,6 +141,11 @@ def _add_eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epic-k", type=_ints, default=[4, 16, 32], help="epic: tokens per chunk")
     p.add_argument("--probe-ratios", type=_floats, default=[0.03, 0.15, 0.2], help="probe (query-probe selection) ratios")
     p.add_argument("--probe-epic-k", type=int, default=0, help="probe: EPIC's first k per chunk inside its budget")
+    p.add_argument("--probe-layers", type=_ints, default=[0],
+                   help="probe: layers the question runs through to score the context (0: all); several → each")
+    p.add_argument("--ape", type=_pair, action="append", metavar="T,S",
+                   help="every mode that reads chunk KV again, with APE re-weighting (temperature T, factor S); "
+                        "repeatable")
     p.add_argument("--a3-ratios", type=_floats, default=[0.15], help="a3 (question attention at the check layer)")
     p.add_argument("--a3-window", type=int, default=2, help="a3, blendq: ± neighbours the attention is smoothed over")
     p.add_argument("--blendq-ratios", type=_floats, default=[0.12], help="blendq (deviation and attention ranks)")

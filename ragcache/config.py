@@ -63,6 +63,8 @@ class Settings(BaseSettings):
     mode: str = "cacheblend"  # full | prefix | reuse | cacheblend | epic | auto
     cacheblend_ratio: float = 0.15
     epic_k: int = 16
+    ape_temperature: float = 1.0  # APE re-weighting of the question's attention to stale context: off at 1, 1
+    ape_factor: float = 1.0
 
     # serving
     threads: int = 0  # torch threads of this process; 0: every core (less a running job's share)
@@ -137,6 +139,13 @@ class Settings(BaseSettings):
     def _admin(cls, v: str | None) -> str | None:
         if v is not None and len(v) < 8:
             raise ValueError("needs 8+ characters")
+        return v
+
+    @field_validator("ape_temperature", "ape_factor")
+    @classmethod
+    def _ape(cls, v: float) -> float:
+        if not v > 0:
+            raise ValueError("must be > 0")
         return v
 
     @field_validator("cacheblend_ratio")

@@ -24,6 +24,7 @@ import torch
 from blend import (A3, BlendQ, CacheBlend, Epic, Full, Prefix, Probe, Reuse, compute_chunk, fuse_and_prefill,
                    tokens_only)
 from blend.decode import Sampling, decode
+from blend.reweight import Reweight, Reweighted
 from blend.prompt import as_ids, encode
 
 from .chunking import SEPARATOR
@@ -47,6 +48,8 @@ class EvalConfig:
     epic_ks: list[int] = field(default_factory=lambda: [4, 16, 32])
     probe_ratios: list[float] = field(default_factory=lambda: [0.03, 0.15, 0.2])
     probe_epic_k: int = 0  # EPIC's first k per chunk inside every probe budget
+    probe_layers: list[int] = field(default_factory=lambda: [0])  # layers the probe runs through; 0: all
+    ape: list[tuple[float, float]] = field(default_factory=list)  # (temperature, factor): each mode again with APE
     a3_ratios: list[float] = field(default_factory=lambda: [0.15])
     a3_window: int = 2
     blendq_ratios: list[float] = field(default_factory=lambda: [0.12])
@@ -83,7 +86,8 @@ def _is_question(item) -> bool:
 
 
 def policies(cfg: EvalConfig) -> list[tuple[str, object]]:
-    """(label, policy) in the results' naming: full, reuse, prefix, cacheblend@0.15, epic@16, …"""
+    """(label, policy) in the results' naming: full, reuse, prefix, cacheblend@0.15, epic@16, …; a probe
+    through fewer layers is probe@0.1+layers@8, a mode with APE re-weighting cacheblend@0.15+ape@0.9,0.8."""
     unknown = set(cfg.modes) - set(EVAL_MODES)
     if unknown:
         raise UserError(f"unknown mode(s) {', '.join(sorted(unknown))}: use {', '.join(EVAL_MODES)}")
@@ -93,13 +97,16 @@ def policies(cfg: EvalConfig) -> list[tuple[str, object]]:
     try:
         out += [(f"cacheblend@{r:g}", CacheBlend(ratio=r)) for r in cfg.ratios] if "cacheblend" in cfg.modes else []
         out += [(f"epic@{k}", Epic(k=k)) for k in cfg.epic_ks] if "epic" in cfg.modes else []
-        out += [(f"probe@{r:g}", Probe(r, cfg.probe_epic_k)) for r in cfg.probe_ratios] if "probe" in cfg.modes else []
+        out += ([(f"probe@{r:g}" + (f"+layers@{n}" if n else ""), Probe(r, cfg.probe_epic_k, n))
+                 for n in cfg.probe_layers for r in cfg.probe_ratios] if "probe" in cfg.modes else [])
         out += [(f"a3@{r:g}", A3(r, window=cfg.a3_window)) for r in cfg.a3_ratios] if "a3" in cfg.modes else []
         out += ([(f"blendq@{r:g}", BlendQ(r, window=cfg.a3_window)) for r in cfg.blendq_ratios]
                 if "blendq" in cfg.modes else [])
+        ape = [Reweight(t, f) for t, f in cfg.ape]
     except ValueError as e:  # a knob out of range, named by the policy
         raise UserError(str(e)) from None
-    return out
+    return out + [(f"{label}+{rw.label}", Reweighted(policy, rw)) for rw in ape for label, policy in out
+                  if policy.reads_chunk_kv]
 
 
 class _Passages:
@@ -220,7 +227,7 @@ def evaluate(service, cfg: EvalConfig, progress: bool = True) -> dict:
         passages.store.close()
     return {"model": service.model.name, "dataset": str(cfg.dataset), "n": len(per_question), "top_k": cfg.top_k,
             "retrieval": cfg.retrieval, "chunk_prefill": cfg.chunk_prefill, "tier": cfg.tier,
-            "knobs": {"probe_epic_k": cfg.probe_epic_k, "a3_window": cfg.a3_window},
+            "knobs": {"probe_epic_k": cfg.probe_epic_k, "a3_window": cfg.a3_window},  # the rest are in the labels
             "kv_dtype": passages.kv_dtype, "modes": _aggregate(per_question, [m for m, _ in modes]),
             "per_question": per_question}
 

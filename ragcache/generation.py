@@ -18,6 +18,7 @@ import torch
 
 from blend import ChunkKV, compute_prefix, fuse_and_prefill, make_policy, tokens_only
 from blend.batch import decode_batch
+from blend.reweight import Reweight, Reweighted
 from blend.decode import Sampling
 from blend.prompt import as_ids, conversation
 
@@ -82,9 +83,11 @@ class Generation:
         if mode in RATIO_MODES and mode != "cacheblend" and ratio is not None:
             knobs = {"ratio": ratio}  # else the policy's own default
         try:
-            return make_policy(mode, **knobs)
+            policy = make_policy(mode, **knobs)
         except ValueError as e:  # an unknown mode or a knob out of range, named by blend
             raise UserError(str(e)) from None
+        ape = Reweight(s.ape_temperature, s.ape_factor)
+        return Reweighted(policy, ape) if ape.active and policy.reads_chunk_kv else policy
 
     def prefix_for(self, head: list[int]):
         """The exact prefix KV of a prompt head: the configured one, or one of a few recent others."""

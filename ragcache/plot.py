@@ -13,11 +13,12 @@ def pareto(results: dict, path: Path) -> None:
     modes = results["modes"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.5, 8), sharex=True)
     for i, (label, m) in enumerate(modes.items()):
-        family = label.split("@")[0]
+        family = label.split("+")[0].split("@")[0]
         color = {"full": "black", "reuse": "tab:red", "prefix": "tab:gray", "cacheblend": "tab:blue",
                  "epic": "tab:green", "probe": "tab:purple", "a3": "tab:orange", "blendq": "tab:brown"}[family]
+        face = "none" if "+" in label else color  # a variant (+layers, +ape): hollow, in its family's colour
         x = max(m["speedup_vs_full"], 1e-3)
-        top.scatter(x, m["f1_vs_full"], color=color)
+        top.scatter(x, m["f1_vs_full"], edgecolors=color, facecolors=face)
         nudge = (4, 4 + 9 * (i % 3))  # modes at the same spot (full, prefix, cacheblend@1) stay readable
         top.annotate(label, (x, m["f1_vs_full"]), textcoords="offset points", xytext=nudge, fontsize=8)
         bottom.scatter(x, max(m["kl_tf"], 1e-4), color=color, marker="s", label="teacher-forced" if label == "full"

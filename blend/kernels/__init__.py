@@ -84,3 +84,15 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     ops = _triton(q)
     return (ops.dequantize_int8 if ops else reference.dequantize_int8)(q, scale, dtype)
 
+
+
+def reweighted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                         stale: torch.Tensor, scale: float, temperature: float, factor: float) -> torch.Tensor:
+    """APE re-weighting (`blend/reweight.py`): causal attention of rows that follow every stale key,
+    the stale keys' logits ÷ T and their group's mass S·exp(T·logsumexp).
+
+    q (n, H, hd) at q_pos (n,); k, v (Hkv, T, hd); stale (T,) bool → (n, H, hd). Torch on either
+    device (a few question rows: no kernel of its own yet).
+    """
+    fn = reference.reweighted_attention_dense if q.is_cuda else reference.reweighted_attention
+    return fn(q, k, v, q_pos, stale, scale, temperature, factor)

@@ -1,6 +1,7 @@
 """Torch implementations of the blend kernels: the CPU path and the oracle the Triton kernels match."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -150,3 +151,42 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tens
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """q (B, n, hd) int8, scale (B, n) float32 → (B, n, hd) in `dtype`."""
     return (q.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+def reweighted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                         stale: torch.Tensor, scale: float, temperature: float, factor: float) -> torch.Tensor:
+    """APE: causal attention whose stale keys form a group with logits ÷ T and mass S·exp(T·lse) (CPU).
+
+    q (n, H, hd) at q_pos (n,), each after every stale key; k, v (Hkv, T, hd); stale (T,) bool → (n, H, hd).
+    Two flash passes (the stale keys gathered, then the rest with the causal mask), merged by weight.
+    """
+    n, h, hd = q.shape
+    hkv = k.shape[0]
+    g = h // hkv
+    stacked = q.permute(1, 0, 2).reshape(1, hkv, g * n, hd)  # query head j·g + i → K/V head j
+    cold, warm = torch.nonzero(stale).flatten(), torch.nonzero(~stale).flatten()
+    out_c, lse_c = _flash(stacked, k[None, :, cold], v[None, :, cold], 0.0, False, scale=scale / temperature)
+    future = torch.zeros(g * n, warm.numel(), dtype=q.dtype, device=q.device)
+    future.masked_fill_(warm[None, :] > q_pos.repeat(g)[:, None], float("-inf"))  # (g·n, W)
+    out_w, lse_w = _flash(stacked, k[None, :, warm], v[None, :, warm], 0.0, False, attn_mask=future, scale=scale)
+    lse_c = math.log(factor) + temperature * lse_c.float()  # (1, Hkv, g·n)
+    top = torch.maximum(lse_c, lse_w)
+    wc, ww = (lse_c - top).exp().unsqueeze(-1), (lse_w - top).exp().unsqueeze(-1)
+    out = (out_c * wc + out_w * ww) / (wc + ww)
+    return out.reshape(h, n, hd).permute(1, 0, 2).to(q.dtype)
+
+
+def reweighted_attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                               stale: torch.Tensor, scale: float, temperature: float, factor: float) -> torch.Tensor:
+    """`reweighted_attention` with every logit materialised: the oracle, and the path off the CPU."""
+    n, h, hd = q.shape
+    hkv, t = k.shape[0], k.shape[1]
+    g = h // hkv
+    stacked = q.float().permute(1, 0, 2).reshape(hkv, g * n, hd)
+    x = stacked @ k.float().transpose(1, 2) * scale  # (Hkv, g·n, T)
+    cold = x / temperature
+    lse = torch.logsumexp(cold.masked_fill(~stale, float("-inf")), dim=-1, keepdim=True)  # (Hkv, g·n, 1)
+    x = torch.where(stale, cold + math.log(factor) + (temperature - 1) * lse, x)
+    future = torch.arange(t, device=k.device)[None, :] > q_pos.repeat(g)[:, None]  # (g·n, T)
+    probs = torch.softmax(x.masked_fill_(future, float("-inf")), dim=-1)
+    return (probs @ v.float()).reshape(h, n, hd).permute(1, 0, 2).to(q.dtype)

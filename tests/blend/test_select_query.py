@@ -78,12 +78,14 @@ def test_probe_scores_equal_the_attention_transformers_computes():
     cache = runner.new_cache(70)
     pre = runner.prefill(chunk)
     cache.k[:, :, :60], cache.v[:, :, :60], cache.length = pre.k, pre.v, 70
-    ours = _probe(runner, cache, ids, layout, layout.suffix())
+    ours = _probe(runner, cache, ids, layout, layout.suffix(), runner.num_layers)
+    first = _probe(runner, cache, ids, layout, layout.suffix(), 1)  # a probe through layer 0 only
     with torch.inference_mode():
         attn = hf(ids[None], output_attentions=True).attentions  # per layer (1, H, 70, 70)
     per_layer = [a[0, :, 60:, :60] / a[0, :, 60:, :60].sum(-1, keepdim=True) for a in attn]
     expected = sum(p.sum(dim=(0, 1)) for p in per_layer) / len(per_layer)
     assert ours.shape == (60,) and torch.allclose(ours, expected, atol=1e-4)
+    assert len(per_layer) > 1 and torch.allclose(first, per_layer[0].sum(dim=(0, 1)), atol=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +102,10 @@ def test_probe_at_budget_zero_is_reuse(smol_runner, blend_inputs):
     reuse = fuse_and_prefill(smol_runner, None, chunks, suffix, Reuse())
     assert torch.equal(probe.logits, reuse.logits) and probe.probe_rows == 12
     assert probe.work_fraction > reuse.work_fraction  # the probe's pass is charged
+    short = fuse_and_prefill(smol_runner, None, chunks, suffix, Probe(ratio=0.0, layers=3))
+    assert torch.equal(short.logits, reuse.logits) and short.probe_layers == 3
+    probe_work = probe.work_fraction - reuse.work_fraction  # a 3-layer probe costs 3/L of a whole one
+    assert short.work_fraction - reuse.work_fraction == pytest.approx(probe_work * 3 / smol_runner.num_layers)
 
 
 @pytest.mark.parametrize("policy", [A3(ratio=0.0), BlendQ(ratio=0.0)], ids=str)
