@@ -3,9 +3,9 @@
     ticket = scheduler.submit_generation(ask, on_event)      # a request, batched with the others
     ticket = scheduler.submit(lambda t: work(), on_event)    # other work off the event loop (ingest, warm)
 
-Two threads. The prep thread does what is not model work, in arrival order: tokenizing,
-retrieval (FAISS) and loading chunk KV from the store tiers, so that they overlap decoding; it
-also runs `submit`'s work items. The model thread loops over steps:
+Two threads. The prep thread (`prep.PrepThread`) does what is not model work, in arrival order:
+tokenizing, retrieval (FAISS) and loading chunk KV from the store tiers, so that they overlap
+decoding; it also runs `submit`'s work items. The model thread, this module, loops over steps:
 
     admit   prepared requests, first come first served, while their KV fits RAGCACHE_KV_BUDGET_BYTES
     prefill the admitted ones whose recomputed rows fit RAGCACHE_MAX_STEP_ROWS (one at least), batched;
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 import time
 from collections import deque
@@ -33,26 +32,14 @@ import torch
 
 from blend.batch import decode_batch, fuse_batch
 
-from .errors import Busy, UserError
+from .errors import Busy
 from .piecewise import Piecewise
-from .sequence import Sequence
+from .prep import PrepThread
+from .sequence import Prepared, Sequence
 from .tally import ServingStats
+from .ticket import Ticket
 
 log = logging.getLogger("ragcache.scheduler")
-
-
-class Ticket:
-    def __init__(self, on_event: Callable[[str, Any], None], work: Callable[["Ticket"], Any] | None = None,
-                 ask=None):
-        self.on_event, self.work, self.ask = on_event, work, ask
-        self.cancelled = threading.Event()
-        self.submitted = time.perf_counter()
-
-    def emit(self, kind: str, payload: Any) -> None:
-        self.on_event(kind, payload)
-
-    def cancel(self) -> None:
-        self.cancelled.set()
 
 
 class Scheduler:
@@ -61,21 +48,17 @@ class Scheduler:
         self.kv_budget = service.settings.kv_budget_bytes
         self.stats = ServingStats()
         self._cond = threading.Condition()  # guards everything below but `_running` (the model thread's)
-        self._prep: queue.Queue[Ticket | None] = queue.Queue()
         self._ready: deque = deque()  # (ticket, Prepared): retrieved and loaded, waiting for KV budget
         self._admitted: deque = deque()  # (ticket, Prepared): budget reserved, waiting for their prefill
         self._running: list[tuple[Ticket, Sequence]] = []
         self._piecewise: Piecewise | None = None  # a long prompt recomputed a piece a step
-        self._waiting = 0
-        self._busy_work = 0  # `submit` items running on the prep thread
+        self._waiting = 0  # submitted, not yet admitted (nor failed, cancelled, or started as a work item)
         self._kv_in_use = 0
-        self._current: Ticket | None = None
         self._stop = False
         self._threads = 0
         self._seconds_per_item = 1.0  # moving average of a request's time, for Retry-After
-        self._prep_thread = threading.Thread(target=self._prep_loop, name="ragcache-prep", daemon=True)
+        self._prep_thread = PrepThread(service, self._cond, self._hand_over, self._leave_waiting)  # shares the lock
         self._model_thread = threading.Thread(target=self._model_loop, name="ragcache-model", daemon=True)
-        self._prep_thread.start()
         self._model_thread.start()
 
     # ---- what /metrics and Retry-After read ---------------------------------------------------
@@ -86,7 +69,7 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._admitted) + len(self._running) + self._busy_work + (self._piecewise is not None)
+        return len(self._admitted) + len(self._running) + self._prep_thread.busy + (self._piecewise is not None)
 
     @property
     def kv_in_use(self) -> int:
@@ -107,56 +90,17 @@ class Scheduler:
                 raise Busy(f"{self._waiting} requests are waiting (RAGCACHE_MAX_QUEUE={self.max_queue}); "
                            f"retry in {wait} s", retry_after=max(1, wait))
             self._waiting += 1
-        self._prep.put(ticket)
+        self._prep_thread.put(ticket)
         return ticket
 
-    # ---- the prep thread: work items, and requests up to their model work ----------------------
+    # ---- from the prep thread (called holding `_cond`) ------------------------------------------
 
-    def _prep_loop(self) -> None:
-        while (ticket := self._prep.get()) is not None:
-            if ticket.cancelled.is_set() or self._stop:
-                self._leave_waiting()
-                ticket.emit("cancelled", None)
-            elif ticket.work is not None:
-                self._run_work(ticket)
-            else:
-                self._prepare(ticket)
+    def _hand_over(self, ticket: Ticket, prep: Prepared) -> None:
+        self._ready.append((ticket, prep))
+        self._cond.notify()
 
     def _leave_waiting(self) -> None:
-        with self._cond:
-            self._waiting -= 1
-
-    def _run_work(self, ticket: Ticket) -> None:
-        with self._cond:
-            self._waiting -= 1
-            self._busy_work += 1
-            self._current = ticket
-        try:
-            result = ticket.work(ticket)
-        except UserError as e:
-            ticket.emit("error", e)
-        except Exception as e:  # noqa: BLE001 — one item's bug is its own
-            log.exception("work item failed")
-            ticket.emit("error", e)
-        else:
-            ticket.emit("done", result)
-        finally:
-            with self._cond:
-                self._busy_work -= 1
-                self._current = None
-
-    def _prepare(self, ticket: Ticket) -> None:
-        try:
-            prep = self.service.generation.prepare(ticket.ask, start=ticket.submitted)
-        except Exception as e:  # noqa: BLE001 — a UserError names bad input; anything else is this request's
-            if not isinstance(e, UserError):
-                log.exception("request failed before its model work")
-            self._leave_waiting()
-            ticket.emit("error", e)
-            return
-        with self._cond:
-            self._ready.append((ticket, prep))
-            self._cond.notify()
+        self._waiting -= 1
 
     # ---- the model thread -----------------------------------------------------------------------
 
@@ -318,9 +262,8 @@ class Scheduler:
 
     def close(self) -> None:
         """Cancel what runs and what waits (each gets its "cancelled", a work item sees its cancel), then stop."""
+        self._prep_thread.stop()
         with self._cond:
-            if self._current is not None:
-                self._current.cancel()
             self._stop = True
             self._cond.notify()
         self._model_thread.join(timeout=60)
@@ -328,12 +271,4 @@ class Scheduler:
         for ticket, _ in [*self._ready, *self._admitted, *self._running, *piecewise]:
             ticket.emit("cancelled", None)
         self._ready.clear(), self._admitted.clear(), self._running.clear()
-        while True:
-            try:
-                ticket = self._prep.get_nowait()
-            except queue.Empty:
-                break
-            if ticket is not None:
-                ticket.emit("cancelled", None)
-        self._prep.put(None)
-        self._prep_thread.join(timeout=60)
+        self._prep_thread.close()

@@ -1,0 +1,24 @@
+"""One submitted item as the scheduler's two threads pass it along: a request (`ask`) or a work item (`work`).
+
+Its events (`on_event(kind, payload)`) are the scheduler's: see its docstring. `cancel()` may come from
+any thread; the thread holding the ticket sees it at its next step.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+
+class Ticket:
+    def __init__(self, on_event: Callable[[str, Any], None], work: Callable[["Ticket"], Any] | None = None,
+                 ask=None):
+        self.on_event, self.work, self.ask = on_event, work, ask
+        self.cancelled = threading.Event()
+        self.submitted = time.perf_counter()
+
+    def emit(self, kind: str, payload: Any) -> None:
+        self.on_event(kind, payload)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
