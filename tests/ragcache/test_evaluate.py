@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from blend import A3, BlendQ, Probe
+from blend import A3, BlendQ, Epic, Full, Probe
+from blend.reweight import Reweight, Reweighted
 from ragcache.config import Settings
 from ragcache.evaluate import METRICS, EvalConfig, load_dataset, policies
 from ragcache.errors import UserError
@@ -72,7 +73,22 @@ def test_calibrate_stores_the_fastest_mode_within_the_target(tmp_path, tiny, smo
                              measured_kl=0.05, speedup=5.0, dataset="x"))
     assert service.policy_for("auto") == Probe(ratio=0.2)
     assert service.policy_for("blendq", ratio=0.3) == BlendQ(ratio=0.3) and service.policy_for("a3") == A3()
+    service.generation.p.settings = Settings(home=tmp_path / "home", model=str(smollm.path), ape_factor=0.5)
+    ape = service.policy_for("epic", k=8)  # APE set for the server: every policy reading chunk KV gets it
+    assert ape == Reweighted(Epic(k=8), Reweight(1.0, 0.5)) and ape.name == "epic" and ape.k == 8
+    assert service.policy_for("full") == Full()
     service.close()
+
+
+def test_eval_labels_name_every_variant(tmp_path):
+    cfg = EvalConfig(tmp_path / "x.json", modes=["full", "reuse", "probe"], probe_ratios=[0.1], probe_layers=[0, 8],
+                     ape=[(1.0, 0.5)])
+    labels = dict(policies(cfg))
+    assert list(labels) == ["full", "reuse", "probe@0.1", "probe@0.1+layers@8", "reuse+ape@1,0.5",
+                            "probe@0.1+ape@1,0.5", "probe@0.1+layers@8+ape@1,0.5"]
+    assert labels["probe@0.1+layers@8+ape@1,0.5"] == Reweighted(Probe(0.1, layers=8), Reweight(1.0, 0.5))
+    with pytest.raises(UserError, match="temperature and factor"):
+        policies(EvalConfig(tmp_path / "x.json", modes=["reuse"], ape=[(0.0, 1.0)]))
 
 
 def test_bad_eval_input_is_a_clear_error(tmp_path):
@@ -84,3 +100,12 @@ def test_bad_eval_input_is_a_clear_error(tmp_path):
         load_dataset(tmp_path / "missing.json", None)
     with pytest.raises(UserError, match="unknown mode"):
         policies(EvalConfig(bad, modes=["full", "turbo"]))
+
+
+def test_frontier_keeps_the_modes_nothing_beats_on_speed_and_kl():
+    from ragcache.plot import frontier
+
+    modes = {"full": {"speedup_vs_full": 1.0, "kl_tf": 0.0}, "a": {"speedup_vs_full": 5.0, "kl_tf": 0.08},
+             "b": {"speedup_vs_full": 6.0, "kl_tf": 0.05}, "c": {"speedup_vs_full": 20.0, "kl_tf": 0.1},
+             "d": {"speedup_vs_full": 4.0, "kl_tf": 0.05}}
+    assert frontier(modes) == ["c", "b", "full"]  # a is slower and worse than b; d ties b's KL, slower
