@@ -91,8 +91,11 @@ def reweighted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
     """APE re-weighting (`blend/reweight.py`): causal attention of rows that follow every stale key,
     the stale keys' logits ÷ T and their group's mass S·exp(T·logsumexp).
 
-    q (n, H, hd) at q_pos (n,); k, v (Hkv, T, hd); stale (T,) bool → (n, H, hd). Torch on either
-    device (a few question rows: no kernel of its own yet).
+    q (n, H, hd) at q_pos (n,); k, v (Hkv, T, hd); stale (T,) bool → (n, H, hd). One Triton launch
+    on CUDA; on CPU two flash passes (the stale keys gathered, then the rest) merged by weight.
     """
-    fn = reference.reweighted_attention_dense if q.is_cuda else reference.reweighted_attention
-    return fn(q, k, v, q_pos, stale, scale, temperature, factor)
+    if q.is_cuda:
+        from . import triton_reweight
+
+        return triton_reweight.reweighted_attention(q, k, v, q_pos, stale, scale, temperature, factor)
+    return reference.reweighted_attention(q, k, v, q_pos, stale, scale, temperature, factor)

@@ -178,7 +178,7 @@ def reweighted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
 
 def reweighted_attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                                stale: torch.Tensor, scale: float, temperature: float, factor: float) -> torch.Tensor:
-    """`reweighted_attention` with every logit materialised: the oracle, and the path off the CPU."""
+    """`reweighted_attention` with every logit materialised: the oracle of both paths."""
     n, h, hd = q.shape
     hkv, t = k.shape[0], k.shape[1]
     g = h // hkv

@@ -139,3 +139,23 @@ def test_attention_mass_reference_is_the_softmax_written_out():
     out = reference.attention_mass(q, k, 0.25)
     naive = sum(torch.softmax(q[i, head] @ k[head // 3].T * 0.25, dim=0) for i in range(5) for head in range(6))
     assert torch.allclose(out, naive, atol=1e-5) and abs(float(out.sum()) - 30) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h,hkv,hd,n,t", [(9, 3, 64, 30, 300), (4, 4, 32, 1, 70), (8, 1, 128, 70, 150)])
+def test_reweighted_attention_matches_reference(dtype, h, hkv, hd, n, t):
+    """APE: stale keys up to 3/4 of the cache with recomputed holes (at t = 300 the first block of keys
+    has none: that group starts empty), the question's rows last, causal among themselves."""
+    from blend.kernels import triton_reweight
+
+    q = _randn(n, h, hd, dtype=dtype, seed=9)
+    k, v = _randn(hkv, t, hd, dtype=dtype, seed=10), _randn(hkv, t, hd, dtype=dtype, seed=11)
+    stale = torch.zeros(t, dtype=torch.bool)
+    first, end = (70 if t > 200 else 5), min(3 * t // 4, t - n)  # every question row sees every stale key
+    stale[first:end] = True
+    stale[first + 3 : end : 7] = False
+    q_pos = torch.arange(t - n, t)
+    ours = triton_reweight.reweighted_attention(q, k, v, q_pos.to(DEVICE), stale.to(DEVICE), hd**-0.5, 0.8, 0.6)
+    ref = reference.reweighted_attention_dense(q.cpu().float(), k.cpu().float(), v.cpu().float(), q_pos, stale,
+                                               hd**-0.5, 0.8, 0.6)
+    assert torch.allclose(ours.cpu().float(), ref, atol=TOL[dtype] * 5, rtol=TOL[dtype] * 5)

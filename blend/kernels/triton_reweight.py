@@ -1,0 +1,99 @@
+"""Triton APE attention (`blend/reweight.py`): the question's rows over their cache, the stale
+context keys a group of their own (logits ÷ T, mass S·exp(T·logsumexp)), every other key plain.
+
+One pass over the keys keeps two online softmaxes, one per group, merged at the end. Used on CUDA
+(see `__init__.py`); the tests run it on the CPU with TRITON_INTERPRET=1 against
+`reference.reweighted_attention_dense`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_ops import _FLOATS, _bf16_dot_broken, _pow2, _qk
+
+
+@triton.jit
+def _fold(s, v, m_i, l_i, acc, IEEE: tl.constexpr, F32_DOT: tl.constexpr):
+    """One block of logits s (BLOCK_M, BLOCK_N) (−inf: not in this group) into a group's running
+    max, sum and weighted values; a group with nothing yet keeps max −inf without NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    if IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    elif F32_DOT:
+        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+    else:
+        pv = tl.dot(p.to(v.dtype), v).to(tl.float32)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _reweighted_kernel(Q, K, V, STALE, O, QPOS, n, T, scale, inv_temp, temp, log_factor, stride_qn, stride_qh,
+                       stride_kh, stride_kt, stride_vh, stride_vt, stride_on, stride_oh, GROUP: tl.constexpr,
+                       HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                       F32_DOT: tl.constexpr):
+    head = tl.program_id(1)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HD)
+    valid_m = offs_m < n
+    q_pos = tl.load(QPOS + offs_m, mask=valid_m, other=0)
+    q = tl.load(Q + offs_m[:, None] * stride_qn + head * stride_qh + offs_d[None, :], mask=valid_m[:, None],
+                other=0.0)
+    k_base, v_base = K + (head // GROUP) * stride_kh, V + (head // GROUP) * stride_vh
+    m_c = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    m_w = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_c = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    l_w = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_M, HD), dtype=tl.float32)
+    acc_w = tl.zeros((BLOCK_M, HD), dtype=tl.float32)
+    last = tl.minimum(tl.max(q_pos, axis=0) + 1, T)
+    for start in range(0, last, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        in_range = offs_n < T
+        k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        stale = tl.load(STALE + offs_n, mask=in_range, other=0) != 0
+        s = _qk(q, k, scale, IEEE, F32_DOT)  # (BLOCK_M, BLOCK_N)
+        visible = (offs_n[None, :] <= q_pos[:, None]) & in_range[None, :]
+        cold = visible & stale[None, :]
+        m_c, l_c, acc_c = _fold(tl.where(cold, s * inv_temp, float("-inf")), v, m_c, l_c, acc_c, IEEE, F32_DOT)
+        m_w, l_w, acc_w = _fold(tl.where(visible & ~cold, s, float("-inf")), v, m_w, l_w, acc_w, IEEE, F32_DOT)
+    lse_c = log_factor + temp * (m_c + tl.log(l_c))  # the stale group's log weight
+    lse_w = m_w + tl.log(l_w)
+    top = tl.maximum(lse_c, lse_w)
+    w_c = tl.where(l_c > 0, tl.exp(lse_c - top), 0.0)
+    w_w = tl.where(l_w > 0, tl.exp(lse_w - top), 0.0)
+    out = (acc_c * (w_c / tl.maximum(l_c, 1e-30))[:, None] + acc_w * (w_w / tl.maximum(l_w, 1e-30))[:, None])
+    out = out / (w_c + w_w)[:, None]
+    tl.store(O + offs_m[:, None] * stride_on + head * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=valid_m[:, None])
+
+
+def reweighted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                         stale: torch.Tensor, scale: float, temperature: float, factor: float) -> torch.Tensor:
+    """q (n, H, hd) at q_pos (n,) int64; k, v (Hkv, T, hd); stale (T,) bool → (n, H, hd) in q's dtype."""
+    assert q.dim() == 3 and k.dim() == 3 and v.shape == k.shape, (q.shape, k.shape, v.shape)
+    n, h, hd = q.shape
+    hkv, t, _ = k.shape
+    assert k.shape[2] == hd and h % hkv == 0, (q.shape, k.shape)
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "head_dim must be contiguous"
+    assert _pow2(hd) and hd >= 16, f"head_dim {hd} must be a power of two >= 16"
+    assert q.dtype in _FLOATS and k.dtype == v.dtype == q.dtype, (q.dtype, k.dtype, v.dtype)
+    assert q_pos.shape == (n,) and q_pos.dtype == torch.int64 and q_pos.is_contiguous()
+    assert stale.shape == (t,) and stale.dtype == torch.bool and temperature > 0 and factor > 0
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if n == 0:
+        return out
+    block_m = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
+    _reweighted_kernel[(triton.cdiv(n, block_m), h)](
+        q, k, v, stale.to(torch.uint8), out, q_pos, n, t, scale, 1.0 / temperature, temperature, math.log(factor),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        GROUP=h // hkv, HD=hd, BLOCK_M=block_m, BLOCK_N=64, IEEE=q.dtype == torch.float32,
+        F32_DOT=_bf16_dot_broken(q.dtype))
+    return out
