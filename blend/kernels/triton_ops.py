@@ -101,6 +101,34 @@ def deviation_scatter_(cache: torch.Tensor, rows: torch.Tensor, new: torch.Tenso
 
 
 @triton.jit
+def _qk(q, k, scale, IEEE: tl.constexpr, F32_DOT: tl.constexpr):
+    """Logits (BLOCK_M, BLOCK_N) float32 of q (BLOCK_M, HD) against k (BLOCK_N, HD)."""
+    if IEEE:  # float32 stays float32: no TF32 rounding
+        return tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    elif F32_DOT:
+        return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
+    else:
+        return tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+
+
+@triton.jit
+def _fold(s, v, m_i, l_i, acc, IEEE: tl.constexpr, F32_DOT: tl.constexpr):
+    """One block of logits s (BLOCK_M, BLOCK_N) (−inf: not seen) into an online softmax's running max,
+    sum and weighted values; rows that have seen nothing yet keep max −inf without NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    if IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    elif F32_DOT:
+        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+    else:
+        pv = tl.dot(p.to(v.dtype), v).to(tl.float32)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _attend_rows(q, q_pos, k_base, stride_kt, v_base, stride_vt, t_len, scale, HD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, F32_DOT: tl.constexpr):
     """Online-softmax attention of one head's block of query rows q (BLOCK_M, HD) over keys [0, t_len),
@@ -116,25 +144,9 @@ def _attend_rows(q, q_pos, k_base, stride_kt, v_base, stride_vt, t_len, scale, H
         in_range = offs_n < t_len
         k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=in_range[:, None], other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=in_range[:, None], other=0.0)
-        if IEEE:  # float32 stays float32: no TF32 rounding
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_M, BLOCK_N)
-        elif F32_DOT:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
-        else:
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
         visible = (offs_n[None, :] <= q_pos[:, None]) & in_range[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        elif F32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        s = tl.where(visible, _qk(q, k, scale, IEEE, F32_DOT), float("-inf"))  # (BLOCK_M, BLOCK_N)
+        m_i, l_i, acc = _fold(s, v, m_i, l_i, acc, IEEE, F32_DOT)
     return acc / l_i[:, None]
 
 
@@ -158,9 +170,11 @@ def _selected_attention_kernel(Q, K, V, O, QPOS, n, T, scale, stride_qn, stride_
              mask=valid_m[:, None])
 
 
-def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                       scale: float) -> torch.Tensor:
-    """q (n, H, hd), q_pos (n,) int64 ascending; k, v (Hkv, T, hd) → (n, H, hd) in q's dtype."""
+def attention_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None,
+                     q_pos: torch.Tensor | None = None) -> tuple[int, int, int, int, int]:
+    """What every attention launcher asserts: q (n, H, hd), k and v (Hkv, T, hd), H a multiple of Hkv,
+    head_dim contiguous and a power of two ≥ 16, one float dtype, q_pos (n,) int64 → (n, H, hd, Hkv, T)."""
+    v = k if v is None else v
     assert q.dim() == 3 and k.dim() == 3 and v.shape == k.shape, (q.shape, k.shape, v.shape)
     n, h, hd = q.shape
     hkv, t, _ = k.shape
@@ -168,7 +182,14 @@ def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos:
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "head_dim must be contiguous"
     assert _pow2(hd) and hd >= 16, f"head_dim {hd} must be a power of two >= 16"
     assert q.dtype in _FLOATS and k.dtype == v.dtype == q.dtype, (q.dtype, k.dtype, v.dtype)
-    assert q_pos.shape == (n,) and q_pos.dtype == torch.int64 and q_pos.is_contiguous()
+    assert q_pos is None or (q_pos.shape == (n,) and q_pos.dtype == torch.int64 and q_pos.is_contiguous())
+    return n, h, hd, hkv, t
+
+
+def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """q (n, H, hd), q_pos (n,) int64 ascending; k, v (Hkv, T, hd) → (n, H, hd) in q's dtype."""
+    n, h, hd, hkv, t = attention_layout(q, k, v, q_pos)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if n == 0:
         return out
@@ -182,16 +203,6 @@ def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos:
 
 
 # ---- (d) the question's attention mass on each context key (query-aware selection) ----------------
-
-
-@triton.jit
-def _qk(q, k, scale, IEEE: tl.constexpr, F32_DOT: tl.constexpr):
-    if IEEE:  # float32 stays float32: no TF32 rounding
-        return tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-    elif F32_DOT:
-        return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
-    else:
-        return tl.dot(q, tl.trans(k)).to(tl.float32) * scale
 
 
 @triton.jit
@@ -245,13 +256,7 @@ def _mass_sum_kernel(Q, K, LSE, OUT, n, T, scale, stride_qn, stride_qh, stride_k
 
 def attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     """q (n, H, hd), k (Hkv, T, hd) → (T,) float32: softmax over the T keys, summed over rows and heads."""
-    assert q.dim() == 3 and k.dim() == 3, (q.shape, k.shape)
-    n, h, hd = q.shape
-    hkv, t, _ = k.shape
-    assert k.shape[2] == hd and h % hkv == 0, (q.shape, k.shape)
-    assert q.stride(2) == 1 and k.stride(2) == 1, "head_dim must be contiguous"
-    assert _pow2(hd) and hd >= 16, f"head_dim {hd} must be a power of two >= 16"
-    assert q.dtype in _FLOATS and k.dtype == q.dtype, (q.dtype, k.dtype)
+    n, h, hd, hkv, t = attention_layout(q, k)
     if n == 0 or t == 0:
         return torch.zeros(t, dtype=torch.float32, device=q.device)
     lse = torch.empty(h, n, dtype=torch.float32, device=q.device)

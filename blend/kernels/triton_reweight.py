@@ -13,24 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ops import _FLOATS, _bf16_dot_broken, _pow2, _qk
-
-
-@triton.jit
-def _fold(s, v, m_i, l_i, acc, IEEE: tl.constexpr, F32_DOT: tl.constexpr):
-    """One block of logits s (BLOCK_M, BLOCK_N) (−inf: not in this group) into a group's running
-    max, sum and weighted values; a group with nothing yet keeps max −inf without NaN."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - m_safe[:, None])
-    alpha = tl.exp(m_i - m_safe)
-    if IEEE:
-        pv = tl.dot(p, v, input_precision="ieee")
-    elif F32_DOT:
-        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-    else:
-        pv = tl.dot(p.to(v.dtype), v).to(tl.float32)
-    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+from .triton_ops import _bf16_dot_broken, _fold, _qk, attention_layout
 
 
 @triton.jit
@@ -78,14 +61,7 @@ def _reweighted_kernel(Q, K, V, STALE, O, QPOS, n, T, scale, inv_temp, temp, log
 def reweighted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                          stale: torch.Tensor, scale: float, temperature: float, factor: float) -> torch.Tensor:
     """q (n, H, hd) at q_pos (n,) int64; k, v (Hkv, T, hd); stale (T,) bool → (n, H, hd) in q's dtype."""
-    assert q.dim() == 3 and k.dim() == 3 and v.shape == k.shape, (q.shape, k.shape, v.shape)
-    n, h, hd = q.shape
-    hkv, t, _ = k.shape
-    assert k.shape[2] == hd and h % hkv == 0, (q.shape, k.shape)
-    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "head_dim must be contiguous"
-    assert _pow2(hd) and hd >= 16, f"head_dim {hd} must be a power of two >= 16"
-    assert q.dtype in _FLOATS and k.dtype == v.dtype == q.dtype, (q.dtype, k.dtype, v.dtype)
-    assert q_pos.shape == (n,) and q_pos.dtype == torch.int64 and q_pos.is_contiguous()
+    n, h, hd, hkv, t = attention_layout(q, k, v, q_pos)
     assert stale.shape == (t,) and stale.dtype == torch.bool and temperature > 0 and factor > 0
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if n == 0:
