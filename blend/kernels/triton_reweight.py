@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ops import _bf16_dot_broken, _fold, _qk, attention_layout
+from .triton_ops import _bf16_dot_broken, _fold, _kv_block, _qk, attention_layout
 
 
 @triton.jit
@@ -37,10 +37,7 @@ def _reweighted_kernel(Q, K, V, STALE, O, QPOS, n, T, scale, inv_temp, temp, log
     acc_w = tl.zeros((BLOCK_M, HD), dtype=tl.float32)
     last = tl.minimum(tl.max(q_pos, axis=0) + 1, T)
     for start in range(0, last, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        in_range = offs_n < T
-        k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=in_range[:, None], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        offs_n, in_range, k, v = _kv_block(k_base, stride_kt, v_base, stride_vt, start, T, HD, BLOCK_N)
         stale = tl.load(STALE + offs_n, mask=in_range, other=0) != 0
         s = _qk(q, k, scale, IEEE, F32_DOT)  # (BLOCK_M, BLOCK_N)
         visible = (offs_n[None, :] <= q_pos[:, None]) & in_range[None, :]
