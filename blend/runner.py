@@ -8,6 +8,7 @@ Decoding is `forward_selected` of one new row at the end of the cache.
 """
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -42,6 +43,26 @@ class Check:
 
 # a check → indices into check.rows to keep, ascending (the last must stay), or None: keep all
 RowFilter = Callable[[Check], torch.Tensor | None]
+
+
+@dataclass
+class Pass:
+    """A `forward_selected` under way: what `Runner.advance` carries from one layer to the next."""
+
+    cache: KVCache
+    rows: torch.Tensor  # (n,) ascending: the rows still going on
+    x: torch.Tensor  # (n, D) their hidden states entering `layer`
+    cos: torch.Tensor  # (n, 1, hd) RoPE of their positions
+    sin: torch.Tensor
+    plan: object  # kernels.attention_plan(rows)
+    deviation_layers: frozenset[int]
+    row_filter: RowFilter | None
+    all_logits: bool
+    layers: int  # run through this many layers
+    layer: int = 0  # the next layer to run
+    kv_rows: list[torch.Tensor] = field(default_factory=list)
+    out_rows: list[torch.Tensor] = field(default_factory=list)
+    deviations: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -190,42 +211,62 @@ class Runner:
         and MLP are skipped there: no later layer would read their output. `layers`: run only the
         first that many (a probe: its logits are empty).
         """
+        return self.advance(self.start_selected(cache, token_ids, rows, deviation_layers=deviation_layers,
+                                                row_filter=row_filter, all_logits=all_logits, layers=layers))
+
+    @torch.inference_mode()
+    def start_selected(self, cache: KVCache, token_ids: torch.Tensor, rows: torch.Tensor, *,
+                       deviation_layers: frozenset[int] = frozenset(), row_filter: RowFilter | None = None,
+                       all_logits: bool = False, layers: int | None = None) -> Pass:
+        """`forward_selected`'s arguments → its pass before the first layer, for `advance` to run."""
         rows = rows.to(self.device)
         end = int(rows[-1]) + 1
         self._check_positions(rows[-1:])
         cache.reserve(end)
         cache.length = max(cache.length, end)
-        x = self.embed[token_ids.to(self.device)]  # (n, D)
-        kv_rows: list[torch.Tensor] = []
-        out_rows: list[torch.Tensor] = []
-        deviations = {}
-        plan, (cos, sin) = kernels.attention_plan(rows), self.rope(rows)
-        first = int(rows[0])
-        reweight = cache.reweight
-        for l in range(self.num_layers if layers is None else layers):
-            kv_rows.append(rows)
-            q, k, v = self._qkv(l, x, cos, sin)
-            ck, cv = cache.k[l], cache.v[l]  # (Hkv, capacity, hd)
-            if l in deviation_layers:
-                dev = kernels.deviation_scatter_(ck, rows, k), kernels.deviation_scatter_(cv, rows, v)
-                deviations[l] = (rows, *dev)
-                keep = None if row_filter is None else row_filter(Check(l, rows, *dev, q, ck, self.scale))
-                if keep is not None and keep.shape[0] != rows.shape[0]:
-                    rows, x, q, cos, sin = rows[keep], x[keep], q[keep], cos[keep], sin[keep]
-                    first, end = int(rows[0]), int(rows[-1]) + 1
-                    plan = kernels.attention_plan(rows)
-            else:
-                write_rows(ck, cv, rows, k, v, first, end)
-            out_rows.append(rows)
-            if reweight is None:
-                attn = kernels.selected_attention(q, ck[:, :end], cv[:, :end], rows, self.scale, plan)
-            else:  # APE (blend/reweight.py)
-                attn = reweight.attention(l, kv_rows[-1], q, ck[:, :end], cv[:, :end], rows, self.scale, plan)
-            x = self._finish(l, x, attn)
-        if layers is not None and layers < self.num_layers:
-            return Selected(torch.empty(0), kv_rows, out_rows, deviations)
-        logits = self._logits(x) if all_logits else self._logits(x[-1:])[0]
-        return Selected(logits, kv_rows, out_rows, deviations)
+        return Pass(cache, rows, self.embed[token_ids.to(self.device)], *self.rope(rows), kernels.attention_plan(rows),
+                    deviation_layers, row_filter, all_logits, self.num_layers if layers is None else layers)
+
+    @torch.inference_mode()
+    def advance(self, p: Pass, budget: float = math.inf) -> Selected | None:
+        """Run `p`'s next layers, at least one, while their row-layers (rows × layers) stay within
+        `budget`; → its `Selected` once the last layer ran, else None. Layer by layer over all the
+        rows, as one `forward_selected` does: a pass advanced in any budgets gives the same bits."""
+        spent = 0
+        while p.layer < p.layers and (spent == 0 or spent + p.rows.numel() <= budget):
+            spent += p.rows.numel()
+            self._layer_of(p)
+        if p.layer < p.layers:
+            return None
+        if p.layers < self.num_layers:
+            return Selected(torch.empty(0), p.kv_rows, p.out_rows, p.deviations)
+        logits = self._logits(p.x) if p.all_logits else self._logits(p.x[-1:])[0]
+        return Selected(logits, p.kv_rows, p.out_rows, p.deviations)
+
+    def _layer_of(self, p: Pass) -> None:
+        """One layer of a pass: its rows' K/V written (measured and filtered at a deviation layer),
+        then their attention and MLP."""
+        l, rows = p.layer, p.rows
+        p.kv_rows.append(rows)
+        q, k, v = self._qkv(l, p.x, p.cos, p.sin)
+        ck, cv = p.cache.k[l], p.cache.v[l]  # (Hkv, capacity, hd)
+        if l in p.deviation_layers:
+            dev = kernels.deviation_scatter_(ck, rows, k), kernels.deviation_scatter_(cv, rows, v)
+            p.deviations[l] = (rows, *dev)
+            keep = None if p.row_filter is None else p.row_filter(Check(l, rows, *dev, q, ck, self.scale))
+            if keep is not None and keep.shape[0] != rows.shape[0]:
+                p.rows, p.x, q, p.cos, p.sin = rows[keep], p.x[keep], q[keep], p.cos[keep], p.sin[keep]
+                p.plan = kernels.attention_plan(p.rows)
+        else:
+            write_rows(ck, cv, rows, k, v, int(rows[0]), int(rows[-1]) + 1)
+        p.out_rows.append(p.rows)
+        end = int(p.rows[-1]) + 1
+        if p.cache.reweight is None:
+            attn = kernels.selected_attention(q, ck[:, :end], cv[:, :end], p.rows, self.scale, p.plan)
+        else:  # APE (blend/reweight.py)
+            attn = p.cache.reweight.attention(l, rows, q, ck[:, :end], cv[:, :end], p.rows, self.scale, p.plan)
+        p.x = self._finish(l, p.x, attn)
+        p.layer += 1
 
     def row_work(self) -> tuple[int, int]:
         """Multiply-adds per row and layer: (q/k/v projections, everything after them)."""

@@ -71,7 +71,7 @@ class Settings(BaseSettings):
     job_threads: int = 0  # torch threads of a precompute job the server starts; 0: half the cores
     max_queue: int = 64  # requests waiting for the model beyond this get 429
     kv_budget_bytes: int = 4 << 30  # fused KV caches of running requests, together; more wait (one alone: 400)
-    max_step_rows: int = 8192  # recomputed rows one scheduler step admits (at least one request)
+    max_step_rows: int = 8192  # recomputed rows one scheduler step admits (at least one request; longer: × layers)
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
     api_keys: dict[str, list[str]] = {}  # key → namespaces it may use (JSON); empty: no auth
     admin_key: str | None = None  # reaches every namespace and the whole-cache routes

@@ -154,7 +154,7 @@ class Scheduler:
             n = plan.rows.numel()
             if batch and rows + n > cap:
                 break
-            if n > cap and plan.row_filter is None and not batch:  # too long for one step: in pieces
+            if n > cap and not batch:  # too long for one step: in pieces
                 self._piecewise = Piecewise(*self._admitted.popleft())
                 break
             batch.append(self._admitted.popleft())

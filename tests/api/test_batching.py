@@ -50,10 +50,10 @@ def test_eight_concurrent_clients_get_what_each_gets_alone(api_server):
 
 @pytest.fixture(scope="module")
 def budget_server(corpus_home, tmp_path_factory, smollm):
-    """A budget that holds two requests of 2 chunks (~1.2K tokens x 46 KB each), not three; and 256
-    recomputed rows a step, so that a long fixed-row prefill runs in pieces."""
+    """A budget that holds two requests of 2 chunks (~1.2K tokens x 46 KB each), not three; and 64
+    recomputed rows a step (x 30 layers, in row-layers), so that a long prefill runs in pieces."""
     server = start_server(copy_home(corpus_home, tmp_path_factory.mktemp("budget")), smollm,
-                          RAGCACHE_KV_BUDGET_BYTES=130_000_000, RAGCACHE_MAX_STEP_ROWS=256)
+                          RAGCACHE_KV_BUDGET_BYTES=130_000_000, RAGCACHE_MAX_STEP_ROWS=64)
     yield server
     server.stop()
 
@@ -75,9 +75,10 @@ def test_a_request_that_could_never_fit_the_budget_is_a_400(budget_server):
 
 
 def test_a_prefill_in_pieces_answers_as_one_pass(budget_server, api_server):
-    """full and prefix recompute ~1.1K and ~600 rows: in pieces of 256 rows on one server, in one pass on
-    the other (default cap): the same answers."""
-    for mode in ("full", "prefix"):
+    """full, cacheblend and prefix recompute ~1.1K rows (cacheblend only through its check layer, then
+    ~15%) and ~600: a few layers a step on one server (64 x 30 row-layers a step), in one pass on the
+    other (default cap): the same answers."""
+    for mode in ("full", "cacheblend", "prefix"):
         body = {"query": QUESTIONS[1], "mode": mode, "top_k": 2, "max_tokens": 10, "ignore_eos": True}
         pieces = _post(budget_server, {**body, "namespace": budget_server.namespace}).json()
         whole = _post(api_server, {**body, "namespace": api_server.namespace}).json()

@@ -11,7 +11,9 @@ import torch
 from blend import (A3, BlendQ, CacheBlend, Epic, Full, Prefix, Probe, Reuse, compute_chunk, compute_prefix,
                    fuse_and_prefill, make_policy)
 from blend.decode import Sampling, decode
+from blend.fuse import stage
 from blend.prompt import as_ids, chat_frame, encode, stop_token_ids
+from blend.reweight import Reweight, Reweighted
 from blend.rope import delta_cos_sin
 from blend import kernels
 
@@ -83,6 +85,29 @@ def test_partial_policies_recompute_what_they_say(smol_runner, parts, chunks):
     assert 0 < blend.work_fraction < 0.5 and reuse.work_fraction < blend.work_fraction
     for res in (reuse, epic, blend):
         assert torch.isfinite(res.logits).all()
+
+
+@pytest.mark.parametrize("policy", [CacheBlend(ratio=0.2, by="k", gradual=3), Epic(k=4),
+                                    Reweighted(Probe(ratio=0.1), Reweight(1.0, 0.5))], ids=str)
+def test_a_pass_advanced_in_small_budgets_equals_one_pass(smol_runner, parts, chunks, policy):
+    """What a scheduler step runs of a long prompt (`Runner.advance`): layer by layer over all rows, so
+    cacheblend's filter still ranks every stale row at its check layers, and the bits are one pass's."""
+    prefix, _, suffix = parts
+    whole = fuse_and_prefill(smol_runner, prefix, chunks, suffix, policy)
+    s = stage(smol_runner, prefix, chunks, suffix, policy)
+    run = smol_runner.start_selected(s.cache, s.token_ids[s.plan.rows], s.plan.rows,
+                                     deviation_layers=s.plan.deviation_layers, row_filter=s.plan.row_filter)
+    steps, out = 0, None
+    while out is None:
+        layer = run.layer
+        out = smol_runner.advance(run, budget=1.5 * run.rows.numel())  # one layer a step, two once rows shrink
+        assert run.layer > layer
+        steps += 1
+    assert steps > smol_runner.num_layers // 2
+    assert torch.equal(out.logits, whole.logits)
+    assert [torch.equal(a, b) for a, b in zip(out.kv_rows, whole.kv_rows)] == [True] * smol_runner.num_layers
+    n = whole.layout.total
+    assert torch.equal(s.cache.k[:, :, :n], whole.cache.k[:, :, :n]) and torch.equal(s.cache.v[:, :, :n], whole.cache.v[:, :, :n])
 
 
 def test_single_chunk_at_offset_zero_reused_as_is_is_exact(smol_runner, parts):
