@@ -70,6 +70,7 @@ class Stale:
         mask = torch.zeros(layout.suffix_start, dtype=torch.bool, device=device)
         mask[layout.stale_rows().to(device)] = True
         self.mask = mask.expand(num_layers, -1).clone()
+        self._context_plan = None  # (rows, plan of their context rows): made once per row set, as the runner's
 
     def attention(self, layer: int, written: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   rows: torch.Tensor, scale: float, plan=None) -> torch.Tensor:
@@ -88,4 +89,6 @@ class Stale:
         tail = kernels.reweighted_attention(q[ask:], k, v, rows[ask:], keys, scale, rw.temperature, rw.factor)
         if ask == 0:
             return tail
-        return torch.cat([kernels.selected_attention(q[:ask], k, v, rows[:ask], scale), tail])
+        if self._context_plan is None or self._context_plan[0] is not rows:
+            self._context_plan = rows, kernels.attention_plan(rows[:ask])
+        return torch.cat([kernels.selected_attention(q[:ask], k, v, rows[:ask], scale, self._context_plan[1]), tail])

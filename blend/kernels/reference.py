@@ -158,12 +158,19 @@ def reweighted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
     """APE: causal attention whose stale keys form a group with logits ÷ T and mass S·exp(T·lse) (CPU).
 
     q (n, H, hd) at q_pos (n,), each after every stale key; k, v (Hkv, T, hd); stale (T,) bool → (n, H, hd).
-    Two flash passes (the stale keys gathered, then the rest with the causal mask), merged by weight.
+    At T = 1 (float32) the group's mass is a bias of log S on its logits: one flash pass, no gather.
+    Otherwise two (the stale keys gathered, then the rest with the causal mask), merged by weight.
     """
     n, h, hd = q.shape
     hkv = k.shape[0]
     g = h // hkv
     stacked = q.permute(1, 0, 2).reshape(1, hkv, g * n, hd)  # query head j·g + i → K/V head j
+    if temperature == 1 and q.dtype == torch.float32:
+        bias = torch.zeros(g * n, k.shape[1], dtype=q.dtype, device=q.device)  # (g·n, T)
+        bias[:, stale] = math.log(factor)
+        bias.masked_fill_(torch.arange(k.shape[1], device=q.device)[None, :] > q_pos.repeat(g)[:, None], float("-inf"))
+        out, _ = _flash(stacked, k[None], v[None], 0.0, False, attn_mask=bias, scale=scale)
+        return out.reshape(h, n, hd).permute(1, 0, 2)
     cold, warm = torch.nonzero(stale).flatten(), torch.nonzero(~stale).flatten()
     out_c, lse_c = _flash(stacked, k[None, :, cold], v[None, :, cold], 0.0, False, scale=scale / temperature)
     future = torch.zeros(g * n, warm.numel(), dtype=q.dtype, device=q.device)

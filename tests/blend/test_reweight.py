@@ -41,10 +41,12 @@ def test_reweighted_attention_is_the_two_group_merge():
     stale = torch.zeros(40, dtype=torch.bool)
     stale[4:30] = True
     stale[12] = False  # a recomputed row inside a chunk
-    by_hand = _by_hand(q, k, v, q_pos, stale, 0.25, 0.8, 0.6)
-    for fn in (kernels.reweighted_attention, reference.reweighted_attention_dense):  # CPU path, oracle
+    for temp, factor in [(0.8, 0.6), (1.0, 0.5)]:  # the CPU path's two passes, and its one biased pass at T = 1
+        by_hand = _by_hand(q, k, v, q_pos, stale, 0.25, temp, factor)
+        for fn in (kernels.reweighted_attention, reference.reweighted_attention_dense):  # CPU path, oracle
+            assert torch.allclose(fn(q, k, v, q_pos, stale, 0.25, temp, factor).double(), by_hand, atol=1e-5)
+    for fn in (kernels.reweighted_attention, reference.reweighted_attention_dense):
         ours = fn(q, k, v, q_pos, stale, 0.25, 0.8, 0.6)
-        assert torch.allclose(ours.double(), by_hand, atol=1e-5)
         plain = fn(q, k, v, q_pos, stale, 0.25, 1.0, 1.0)
         assert torch.allclose(plain, kernels.selected_attention(q, k, v, q_pos, 0.25), atol=1e-5)
         assert not torch.allclose(ours, plain, atol=1e-3)
