@@ -11,6 +11,7 @@ its deviation layers), within float tolerance: only the matrix products see more
 from __future__ import annotations
 
 import time
+from itertools import accumulate
 from dataclasses import dataclass
 
 import torch
@@ -69,18 +70,32 @@ def forward_batch(runner: Runner, items: list[Rows]) -> list[Selected]:
         for r in rows:
             cu.append(cu[-1] + r.shape[0])
         ends = [int(r[-1]) + 1 for r in rows]
-        attn = kernels.varlen_attention(q, [it.cache.k[l][:, :e] for it, e in zip(items, ends)],
-                                        [it.cache.v[l][:, :e] for it, e in zip(items, ends)], torch.cat(rows), cu,
-                                        runner.scale, plans)  # (N', H, hd)
-        for i, it in enumerate(items):  # APE: a re-weighted cache's rows again, its question's re-weighted
-            if it.cache.reweight is not None:
-                a, b = cu[i], cu[i + 1]
-                attn[a:b] = it.cache.reweight.attention(l, kv_rows[i][-1], q[a:b], it.cache.k[l][:, : ends[i]],
-                                                        it.cache.v[l][:, : ends[i]], rows[i], runner.scale, plans[i])
-        x = runner._finish(l, x, attn)
+        x = runner._finish(l, x, _attention(runner, items, l, q, rows, cu, ends, plans, kv_rows))
     last = torch.tensor([c - 1 for c in cu[1:]], device=dev)
     logits = runner._logits(x[last])  # (B, V)
     return [Selected(logits[i], kv_rows[i], out_rows[i], deviations[i]) for i in range(len(items))]
+
+
+def _attention(runner: Runner, items: list[Rows], l: int, q: torch.Tensor, rows: list[torch.Tensor], cu: list[int],
+               ends: list[int], plans: list, kv_rows: list[list[torch.Tensor]]) -> torch.Tensor:
+    """Layer l's attention of every item's rows, q (N', H, hd) → (N', H, hd): one varlen call for the
+    plain caches, each APE cache's own re-weighted pass (blend/reweight.py)."""
+    attn = torch.empty_like(q)
+    plain = [i for i, it in enumerate(items) if it.cache.reweight is None]
+    if plain:
+        idx = (slice(None) if len(plain) == len(items)
+               else torch.cat([torch.arange(cu[i], cu[i + 1], device=q.device) for i in plain]))
+        attn[idx] = kernels.varlen_attention(q[idx], [items[i].cache.k[l][:, : ends[i]] for i in plain],
+                                             [items[i].cache.v[l][:, : ends[i]] for i in plain],
+                                             torch.cat([rows[i] for i in plain]),
+                                             list(accumulate((cu[i + 1] - cu[i] for i in plain), initial=0)),
+                                             runner.scale, [plans[i] for i in plain])
+    for i, it in enumerate(items):
+        if it.cache.reweight is not None:
+            a, b, e = cu[i], cu[i + 1], ends[i]
+            attn[a:b] = it.cache.reweight.attention(l, kv_rows[i][-1], q[a:b], it.cache.k[l][:, :e],
+                                                    it.cache.v[l][:, :e], rows[i], runner.scale, plans[i])
+    return attn
 
 
 def _write(runner: Runner, it: Rows, l: int, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

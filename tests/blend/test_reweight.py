@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from blend import CacheBlend, Full, Probe, Reuse, compute_chunk, fuse_and_prefill, kernels
+from blend import CacheBlend, Epic, Full, Probe, Reuse, compute_chunk, fuse_and_prefill, kernels
 from blend.batch import decode_batch, fuse_batch
 from blend.kernels import reference
 from blend.reweight import Reweight, Reweighted
@@ -106,13 +106,16 @@ def test_ape_reweights_the_question_and_the_answer_on_stale_keys_only(smol_runne
 
 
 def test_ape_batched_equals_alone(smol_runner, inputs):
+    """APE requests (T < 1 and T = 1) beside plain ones in one batch: each as alone, in prefill and decode."""
     chunks, suffix = inputs
-    requests = [(None, chunks, suffix, Reweighted(p, APE), 2) for p in (Reuse(), CacheBlend(0.2), Probe(0.2, layers=4))]
+    policies = [Reweighted(Reuse(), APE), Epic(4), Reweighted(CacheBlend(0.2), APE),
+                Reweighted(Probe(0.2, layers=4), Reweight(1.0, 0.5)), Reuse()]
+    requests = [(None, chunks, suffix, p, 2) for p in policies]
     batched = fuse_batch(smol_runner, requests)
     alone = [fuse_and_prefill(smol_runner, *r) for r in requests]
     for got, want in zip(batched, alone):
         assert torch.allclose(got.logits, want.logits, atol=1e-4, rtol=1e-4)
-    stepped = decode_batch(smol_runner, [r.cache for r in batched], [11, 12, 13])
+    stepped = decode_batch(smol_runner, [r.cache for r in batched], [11 + i for i in range(len(policies))])
     for i, want in enumerate(alone):
         one = smol_runner.forward_selected(want.cache, torch.tensor([11 + i]), torch.tensor([want.cache.length])).logits
         assert torch.allclose(stepped[i], one, atol=1e-4, rtol=1e-4)
