@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/ragcache demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # On a CUDA machine, nothing to install (torch, triton, transformers, xxhash, pytest are enough; no
 # registry): the Triton kernel tests natively, the exactness gates in float32 and bfloat16, `bench blend`
