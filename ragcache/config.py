@@ -65,6 +65,7 @@ class Settings(BaseSettings):
     epic_k: int = 16
     ape_temperature: float = 1.0  # APE re-weighting of the question's attention to stale context: off at 1, 1
     ape_factor: float = 1.0
+    probe_layers: int = 0  # probe: the question runs through this many layers first (0: all; 4 at epic's budget)
 
     # serving
     threads: int = 0  # torch threads of this process; 0: every core (less a running job's share)
@@ -119,7 +120,7 @@ class Settings(BaseSettings):
         return v
 
     @field_validator("gpu_cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "redis_cache_bytes", "epic_k",
-                     "threads", "job_threads", "retry_backoff_s", "orphan_grace_s")
+                     "threads", "job_threads", "retry_backoff_s", "orphan_grace_s", "probe_layers")
     @classmethod
     def _nonneg(cls, v: float) -> float:
         if v < 0:

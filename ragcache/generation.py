@@ -82,6 +82,8 @@ class Generation:
                  "epic": {"k": s.epic_k if k is None else k}}.get(mode, {})
         if mode in RATIO_MODES and mode != "cacheblend" and ratio is not None:
             knobs = {"ratio": ratio}  # else the policy's own default
+        if mode == "probe" and s.probe_layers:
+            knobs["layers"] = s.probe_layers
         try:
             policy = make_policy(mode, **knobs)
         except ValueError as e:  # an unknown mode or a knob out of range, named by blend

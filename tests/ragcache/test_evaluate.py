@@ -73,9 +73,11 @@ def test_calibrate_stores_the_fastest_mode_within_the_target(tmp_path, tiny, smo
                              measured_kl=0.05, speedup=5.0, dataset="x"))
     assert service.policy_for("auto") == Probe(ratio=0.2)
     assert service.policy_for("blendq", ratio=0.3) == BlendQ(ratio=0.3) and service.policy_for("a3") == A3()
-    service.generation.p.settings = Settings(home=tmp_path / "home", model=str(smollm.path), ape_factor=0.5)
+    service.generation.p.settings = Settings(home=tmp_path / "home", model=str(smollm.path), ape_factor=0.5,
+                                             probe_layers=4)
     ape = service.policy_for("epic", k=8)  # APE set for the server: every policy reading chunk KV gets it
     assert ape == Reweighted(Epic(k=8), Reweight(1.0, 0.5)) and ape.name == "epic" and ape.k == 8
+    assert service.policy_for("probe", ratio=0.02) == Reweighted(Probe(0.02, layers=4), Reweight(1.0, 0.5))
     assert service.policy_for("full") == Full()
     service.close()
 
