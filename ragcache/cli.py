@@ -189,6 +189,8 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     b.add_argument("--question", type=int, default=0, help="blend: which question's passages")
     b.add_argument("--passages", type=_ints, default=[4, 10], help="blend: passage counts; coverage: top-k values")
     b.add_argument("--chunk-prefill", choices=CHOICES["chunk_prefill"], default="alone")
+    b.add_argument("--window", type=int, default=0,
+                   help="coverage: index passages cut into pieces of at most this many embedder tokens (0: whole)")
     b.add_argument("--chunks", type=_positive, default=None, help="precompute: chunks (40); retrieval: index size (10000)")
     b.add_argument("--seconds", type=_positive, default=60, help="http: how long the load runs")
     b.add_argument("--clients", type=_ints, default=[1, 4, 8, 16], help="serve: concurrent clients, comma-separated")

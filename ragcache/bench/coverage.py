@@ -1,6 +1,6 @@
 """Retrieval coverage on a MuSiQue-format file: how often a passage holding the answer is in FAISS's top-k.
 
-Every passage of the file is one chunk in a flat index; a question is covered at k when one of
+Every passage of the file (or, with `--window`, every piece of it) is one chunk in a flat index; a question is covered at k when one of
 its top-k passages contains one of its gold answers (normalised as for F1). The file carries no
 supporting-passage labels, so the passage the answer is read from stands in for them.
 """
@@ -22,6 +22,8 @@ def run(settings, args) -> int:
     texts = sorted({c["text"] for item in data for c in item["ctxs"]})
     embedder = Embedder()
     tokens = [len(embedder.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    if args.window:  # chunks the embedder covers: what it embeds is all the model would read
+        texts = [piece for t in texts for piece in _pieces(embedder.tokenizer, t, args.window)]
     ks = args.passages
     hits = {k: 0 for k in ks}
     with tempfile.TemporaryDirectory() as tmp:
@@ -33,8 +35,16 @@ def run(settings, args) -> int:
             holds = [any(f" {a} " in f" {normalize(texts[i])} " for a in answers) for i in found]
             for k in ks:
                 hits[k] += any(holds[:k])
-    print(f"{len(data)} questions, {len(texts)} passages ({np.median(tokens):.0f} embedder tokens median, "
-          f"{np.mean([t > 254 for t in tokens]):.0%} longer than one 256-token window)")
+    print(f"{len(data)} questions, {len(tokens)} passages ({np.median(tokens):.0f} embedder tokens median, "
+          f"{np.mean([t > 254 for t in tokens]):.0%} longer than one 256-token window)"
+          + (f", indexed as {len(texts)} pieces of at most {args.window} tokens" if args.window else ""))
     rows = [[k, hits[k] / len(data)] for k in ks]
     print(table(rows, ["top-k", "questions with an answer-bearing passage retrieved"]))
     return 0
+
+
+def _pieces(tokenizer, text: str, window: int) -> list[str]:
+    """`text` cut at token boundaries into consecutive pieces of at most `window` tokens."""
+    spans = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    cuts = [spans[i][0] for i in range(0, len(spans), window)] + [len(text)]
+    return [text[a:b].strip() for a, b in zip(cuts, cuts[1:]) if text[a:b].strip()]
