@@ -42,3 +42,9 @@ class Plan:
     # first); called with the question's attention on each context row (C,) it gives the real plan
     probe: Callable[[torch.Tensor], "Plan"] | None = None
     probe_layers: int = 0  # the probe runs through the first this many layers (0: all)
+    probe_plans: int = 0  # with a probe: how many rows its plan will recompute (known before it runs)
+
+    @property
+    def recompute_rows(self) -> int:
+        """Rows recomputed from layer 0: the probe's plan's when there is a probe (the probe's own are few)."""
+        return self.probe_plans if self.probe is not None else self.rows.numel()

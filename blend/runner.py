@@ -59,6 +59,8 @@ class Pass:
     row_filter: RowFilter | None
     all_logits: bool
     layers: int  # run through this many layers
+    first: int  # rows[0] and rows[-1] + 1, kept here: no device sync per layer
+    end: int
     layer: int = 0  # the next layer to run
     kv_rows: list[torch.Tensor] = field(default_factory=list)
     out_rows: list[torch.Tensor] = field(default_factory=list)
@@ -225,7 +227,8 @@ class Runner:
         cache.reserve(end)
         cache.length = max(cache.length, end)
         return Pass(cache, rows, self.embed[token_ids.to(self.device)], *self.rope(rows), kernels.attention_plan(rows),
-                    deviation_layers, row_filter, all_logits, self.num_layers if layers is None else layers)
+                    deviation_layers, row_filter, all_logits, self.num_layers if layers is None else layers,
+                    int(rows[0]), end)
 
     @torch.inference_mode()
     def advance(self, p: Pass, budget: float = math.inf) -> Selected | None:
@@ -256,11 +259,11 @@ class Runner:
             keep = None if p.row_filter is None else p.row_filter(Check(l, rows, *dev, q, ck, self.scale))
             if keep is not None and keep.shape[0] != rows.shape[0]:
                 p.rows, p.x, q, p.cos, p.sin = rows[keep], p.x[keep], q[keep], p.cos[keep], p.sin[keep]
-                p.plan = kernels.attention_plan(p.rows)
+                p.plan, p.first, p.end = kernels.attention_plan(p.rows), int(p.rows[0]), int(p.rows[-1]) + 1
         else:
-            write_rows(ck, cv, rows, k, v, int(rows[0]), int(rows[-1]) + 1)
+            write_rows(ck, cv, rows, k, v, p.first, p.end)
         p.out_rows.append(p.rows)
-        end = int(p.rows[-1]) + 1
+        end = p.end
         if p.cache.reweight is None:
             attn = kernels.selected_attention(q, ck[:, :end], cv[:, :end], p.rows, self.scale, p.plan)
         else:  # APE (blend/reweight.py)

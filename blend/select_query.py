@@ -47,7 +47,11 @@ class Probe:
             raise ValueError("probe epic_k and layers must be >= 0")
 
     def plan(self, layout: Layout, num_layers: int) -> Plan:
-        return Plan(layout.suffix(), probe=lambda mass: Plan(self.choose(layout, mass)), probe_layers=self.layers)
+        stale = layout.stale_rows().numel()
+        heads = sum(min(self.epic_k, b - a) for a, b in layout.stale_spans())
+        n = heads + min(max(0, _budget(self.ratio, stale) - heads), stale - heads) + layout.total - layout.suffix_start
+        return Plan(layout.suffix(), probe=lambda mass: Plan(self.choose(layout, mass)), probe_layers=self.layers,
+                    probe_plans=n)
 
     def choose(self, layout: Layout, mass: torch.Tensor) -> torch.Tensor:
         """mass (C,) over context rows [prefix_len, suffix_start) → rows (n,) ascending to recompute."""

@@ -68,6 +68,7 @@ class Generation:
 
     def policy_for(self, mode: str, ratio: float | None = None, k: int | None = None):
         """A selection policy; `auto` is what `ragcache calibrate` chose for this model."""
+        asked = mode
         if mode == "auto":
             with self.p.db.session() as s:
                 default = s.get(ModelDefault, self.p.model.fingerprint)
@@ -82,7 +83,7 @@ class Generation:
                  "epic": {"k": s.epic_k if k is None else k}}.get(mode, {})
         if mode in RATIO_MODES and mode != "cacheblend" and ratio is not None:
             knobs = {"ratio": ratio}  # else the policy's own default
-        if mode == "probe" and s.probe_layers:
+        if mode == "probe" and asked == "probe" and s.probe_layers:  # auto serves what calibrate measured
             knobs["layers"] = s.probe_layers
         try:
             policy = make_policy(mode, **knobs)

@@ -15,6 +15,7 @@ class Piecewise:
         self.staged = None  # blend.fuse.Staged, once the first step assembled the cache
         self.run = None  # blend.runner.Pass: the recompute under way
         self.start = time.perf_counter()
+        self.seconds = 0.0  # spent in its own steps' recompute (not in the decode steps between them)
 
     @property
     def cache(self):
@@ -27,7 +28,9 @@ class Piecewise:
             s = self.staged = stage(runner, *self.prep.fuse_args())
             self.run = runner.start_selected(s.cache, s.token_ids[s.plan.rows], s.plan.rows,
                                              deviation_layers=s.plan.deviation_layers, row_filter=s.plan.row_filter)
+        t0 = time.perf_counter()
         out = runner.advance(self.run, cap * runner.num_layers)
+        self.seconds += time.perf_counter() - t0
         if out is None:
             return None
-        return finish_fused(runner, self.staged, out, time.perf_counter() - self.start)
+        return finish_fused(runner, self.staged, out, self.seconds)

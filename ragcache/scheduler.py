@@ -151,7 +151,7 @@ class Scheduler:
             return batch
         while self._admitted:
             plan = self._admitted[0][1].plan(self.service.runner.num_layers)
-            n = plan.rows.numel()
+            n = plan.recompute_rows
             if batch and rows + n > cap:
                 break
             if n > cap and not batch:  # too long for one step: in pieces

@@ -92,7 +92,8 @@ def reweighted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
     the stale keys' logits ÷ T and their group's mass S·exp(T·logsumexp).
 
     q (n, H, hd) at q_pos (n,); k, v (Hkv, T, hd); stale (T,) bool → (n, H, hd). One Triton launch
-    on CUDA; on CPU two flash passes (the stale keys gathered, then the rest) merged by weight.
+    on CUDA; on CPU one flash pass with a bias at T = 1, else two (the stale keys gathered, then the rest)
+    merged by weight.
     """
     if q.is_cuda:
         from . import triton_reweight

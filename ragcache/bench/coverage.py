@@ -44,7 +44,19 @@ def run(settings, args) -> int:
 
 
 def _pieces(tokenizer, text: str, window: int) -> list[str]:
-    """`text` cut at token boundaries into consecutive pieces of at most `window` tokens."""
-    spans = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-    cuts = [spans[i][0] for i in range(0, len(spans), window)] + [len(text)]
-    return [text[a:b].strip() for a, b in zip(cuts, cuts[1:]) if text[a:b].strip()]
+    """`text` cut into consecutive pieces of at most `window` tokens, each cut at a word's first token
+    (a word longer than the window is cut inside)."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    spans, words = enc["offset_mapping"], enc.word_ids()
+    starts, a = [], 0
+    while a < len(spans):
+        starts.append(a)
+        b = a + window
+        if b < len(spans):
+            while b > a + 1 and words[b] == words[b - 1]:  # back to the start of the word the cut falls in
+                b -= 1
+            if b == a + 1:
+                b = a + window
+        a = b
+    cuts = [spans[i][0] for i in starts] + [len(text)]
+    return [text[x:y].strip() for x, y in zip(cuts, cuts[1:]) if text[x:y].strip()]

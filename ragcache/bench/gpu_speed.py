@@ -100,7 +100,7 @@ def _rows(runner: Runner, req: tuple, policy) -> int:
     from blend.fuse import layout_of
 
     prefix, chunks, suffix = req
-    return int(policy.plan(layout_of(prefix, chunks, suffix.numel()), runner.num_layers).rows.numel())
+    return int(policy.plan(layout_of(prefix, chunks, suffix.numel()), runner.num_layers).recompute_rows)
 
 
 def serve_rows(runner: Runner, reqs: list[tuple], sizes: list[int], new_tokens: int = 64,

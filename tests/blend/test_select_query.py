@@ -26,6 +26,10 @@ def test_probe_takes_the_top_mass_of_stale_rows_within_its_budget():
     # EPIC's first 2 of each stale chunk count in the same budget of 6
     assert Probe(ratio=0.2, epic_k=2).choose(LAYOUT, mass).tolist() == [30, 31, 33, 50, 51, 57, *range(60, 65)]
     assert Probe(ratio=0.0).choose(LAYOUT, mass).tolist() == list(range(60, 65))
+    for p in (Probe(ratio=0.1), Probe(ratio=0.2, epic_k=2), Probe(ratio=0.0, epic_k=4), Probe(ratio=1.0),
+              Probe(ratio=0.5, epic_k=20)):
+        plan = p.plan(LAYOUT, 4)  # what a scheduler counts before the probe runs: the rows its plan will take
+        assert plan.recompute_rows == plan.probe(mass).rows.numel(), p
 
 
 def _check_with_mass(rows: torch.Tensor, hot: list[int], dev_v: torch.Tensor) -> Check:

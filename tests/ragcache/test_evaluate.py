@@ -78,6 +78,7 @@ def test_calibrate_stores_the_fastest_mode_within_the_target(tmp_path, tiny, smo
     ape = service.policy_for("epic", k=8)  # APE set for the server: every policy reading chunk KV gets it
     assert ape == Reweighted(Epic(k=8), Reweight(1.0, 0.5)) and ape.name == "epic" and ape.k == 8
     assert service.policy_for("probe", ratio=0.02) == Reweighted(Probe(0.02, layers=4), Reweight(1.0, 0.5))
+    assert service.policy_for("auto") == Reweighted(Probe(0.2), Reweight(1.0, 0.5))  # as calibrate measured it
     assert service.policy_for("full") == Full()
     service.close()
 
