@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_tiles import _attend_rows, _load_rows, _qk, _store_rows
+
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -101,63 +103,6 @@ def deviation_scatter_(cache: torch.Tensor, rows: torch.Tensor, new: torch.Tenso
 
 
 @triton.jit
-def _qk(q, k, scale, IEEE: tl.constexpr, F32_DOT: tl.constexpr):
-    """Logits (BLOCK_M, BLOCK_N) float32 of q (BLOCK_M, HD) against k (BLOCK_N, HD)."""
-    if IEEE:  # float32 stays float32: no TF32 rounding
-        return tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-    elif F32_DOT:
-        return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
-    else:
-        return tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-
-
-@triton.jit
-def _fold(s, v, m_i, l_i, acc, IEEE: tl.constexpr, F32_DOT: tl.constexpr):
-    """One block of logits s (BLOCK_M, BLOCK_N) (−inf: not seen) into an online softmax's running max,
-    sum and weighted values; rows that have seen nothing yet keep max −inf without NaN."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - m_safe[:, None])
-    alpha = tl.exp(m_i - m_safe)
-    if IEEE:
-        pv = tl.dot(p, v, input_precision="ieee")
-    elif F32_DOT:
-        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-    else:
-        pv = tl.dot(p.to(v.dtype), v).to(tl.float32)
-    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
-
-
-@triton.jit
-def _kv_block(k_base, stride_kt, v_base, stride_vt, start, t_len, HD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys [start, start + BLOCK_N) of one K/V head → (their positions, which exist, K and V (BLOCK_N, HD))."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HD)
-    in_range = offs_n < t_len
-    k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=in_range[:, None], other=0.0)
-    v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=in_range[:, None], other=0.0)
-    return offs_n, in_range, k, v
-
-
-@triton.jit
-def _attend_rows(q, q_pos, k_base, stride_kt, v_base, stride_vt, t_len, scale, HD: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, F32_DOT: tl.constexpr):
-    """Online-softmax attention of one head's block of query rows q (BLOCK_M, HD) over keys [0, t_len),
-    key t at k_base + t·stride_kt, causal by absolute position (row i sees t ≤ q_pos[i]) → (BLOCK_M, HD) float32.
-    Keys past the block's last position are never read."""
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, HD), dtype=tl.float32)
-    last = tl.minimum(tl.max(q_pos, axis=0) + 1, t_len)
-    for start in range(0, last, BLOCK_N):
-        offs_n, in_range, k, v = _kv_block(k_base, stride_kt, v_base, stride_vt, start, t_len, HD, BLOCK_N)
-        visible = (offs_n[None, :] <= q_pos[:, None]) & in_range[None, :]
-        s = tl.where(visible, _qk(q, k, scale, IEEE, F32_DOT), float("-inf"))  # (BLOCK_M, BLOCK_N)
-        m_i, l_i, acc = _fold(s, v, m_i, l_i, acc, IEEE, F32_DOT)
-    return acc / l_i[:, None]
-
-
-@triton.jit
 def _selected_attention_kernel(Q, K, V, O, QPOS, n, T, scale, stride_qn, stride_qh, stride_kh, stride_kt,
                                stride_vh, stride_vt, stride_on, stride_oh, GROUP: tl.constexpr,
                                HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
@@ -166,15 +111,12 @@ def _selected_attention_kernel(Q, K, V, O, QPOS, n, T, scale, stride_qn, stride_
     head = tl.program_id(1)
     kv_head = head // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HD)
     valid_m = offs_m < n
     q_pos = tl.load(QPOS + offs_m, mask=valid_m, other=0)  # padding rows see key 0 only: no NaN
-    q = tl.load(Q + offs_m[:, None] * stride_qn + head * stride_qh + offs_d[None, :], mask=valid_m[:, None],
-                other=0.0)
+    q = _load_rows(Q, offs_m, valid_m, head, stride_qn, stride_qh, HD)
     out = _attend_rows(q, q_pos, K + kv_head * stride_kh, stride_kt, V + kv_head * stride_vh, stride_vt, T, scale,
                        HD, BLOCK_M, BLOCK_N, IEEE, F32_DOT)
-    tl.store(O + offs_m[:, None] * stride_on + head * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=valid_m[:, None])
+    _store_rows(O, offs_m, valid_m, head, stride_on, stride_oh, out, HD)
 
 
 def attention_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None,
@@ -221,8 +163,7 @@ def _mass_lse_kernel(Q, K, LSE, n, T, scale, stride_qn, stride_qh, stride_kh, st
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HD)
     valid_m = offs_m < n
-    q = tl.load(Q + offs_m[:, None] * stride_qn + head * stride_qh + offs_d[None, :], mask=valid_m[:, None],
-                other=0.0)
+    q = _load_rows(Q, offs_m, valid_m, head, stride_qn, stride_qh, HD)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for start in range(0, T, BLOCK_N):
@@ -253,8 +194,7 @@ def _mass_sum_kernel(Q, K, LSE, OUT, n, T, scale, stride_qn, stride_qh, stride_k
         for start in range(0, n, BLOCK_M):
             offs_m = start + tl.arange(0, BLOCK_M)
             valid_m = offs_m < n
-            q = tl.load(Q + offs_m[:, None] * stride_qn + head * stride_qh + offs_d[None, :],
-                        mask=valid_m[:, None], other=0.0)
+            q = _load_rows(Q, offs_m, valid_m, head, stride_qn, stride_qh, HD)
             lse = tl.load(LSE + head * n + offs_m, mask=valid_m, other=float("inf"))
             p = tl.exp(_qk(q, k, scale, IEEE, F32_DOT) - lse[:, None])  # padding rows: exp(-inf) = 0
             acc += tl.sum(p, axis=0)

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ops import _bf16_dot_broken, _fold, _kv_block, _qk, attention_layout
+from .triton_ops import _bf16_dot_broken, attention_layout
+from .triton_tiles import _fold, _kv_block, _load_rows, _qk, _store_rows
 
 
 @triton.jit
@@ -23,11 +24,9 @@ def _reweighted_kernel(Q, K, V, STALE, O, QPOS, n, T, scale, inv_temp, temp, log
                        F32_DOT: tl.constexpr):
     head = tl.program_id(1)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HD)
     valid_m = offs_m < n
     q_pos = tl.load(QPOS + offs_m, mask=valid_m, other=0)
-    q = tl.load(Q + offs_m[:, None] * stride_qn + head * stride_qh + offs_d[None, :], mask=valid_m[:, None],
-                other=0.0)
+    q = _load_rows(Q, offs_m, valid_m, head, stride_qn, stride_qh, HD)
     k_base, v_base = K + (head // GROUP) * stride_kh, V + (head // GROUP) * stride_vh
     m_c = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     m_w = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -51,8 +50,7 @@ def _reweighted_kernel(Q, K, V, STALE, O, QPOS, n, T, scale, inv_temp, temp, log
     w_w = tl.where(l_w > 0, tl.exp(lse_w - top), 0.0)
     out = (acc_c * (w_c / tl.maximum(l_c, 1e-30))[:, None] + acc_w * (w_w / tl.maximum(l_w, 1e-30))[:, None])
     out = out / (w_c + w_w)[:, None]
-    tl.store(O + offs_m[:, None] * stride_on + head * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=valid_m[:, None])
+    _store_rows(O, offs_m, valid_m, head, stride_on, stride_oh, out, HD)
 
 
 def reweighted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ops import _FLOATS, _attend_rows, _bf16_dot_broken, _pow2
+from .triton_ops import _FLOATS, _bf16_dot_broken, _pow2
+from .triton_tiles import _attend_rows, _load_rows, _store_rows
 
 
 @triton.jit
@@ -29,14 +30,11 @@ def _varlen_kernel(Q, K, V, O, QPOS, BLK_SEQ, BLK_START, BLK_END, K_OFF, V_OFF, 
     k_base = K + tl.load(K_OFF + seq) + kv_head * tl.load(K_HSTRIDE + seq)  # row t at k_base + t·HD
     v_base = V + tl.load(V_OFF + seq) + kv_head * tl.load(V_HSTRIDE + seq)
     offs_m = row_start + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HD)
     valid_m = offs_m < row_end
     q_pos = tl.load(QPOS + offs_m, mask=valid_m, other=0)  # padding rows see key 0 only: no NaN
-    q = tl.load(Q + offs_m[:, None] * stride_qn + head * stride_qh + offs_d[None, :], mask=valid_m[:, None],
-                other=0.0)
+    q = _load_rows(Q, offs_m, valid_m, head, stride_qn, stride_qh, HD)
     out = _attend_rows(q, q_pos, k_base, HD, v_base, HD, t_len, scale, HD, BLOCK_M, BLOCK_N, IEEE, F32_DOT)
-    tl.store(O + offs_m[:, None] * stride_on + head * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
-             mask=valid_m[:, None])
+    _store_rows(O, offs_m, valid_m, head, stride_on, stride_oh, out, HD)
 
 
 def _offsets(views: list[torch.Tensor], base: torch.Tensor) -> torch.Tensor:
