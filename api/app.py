@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from ragcache.config import Settings
-from ragcache.scheduler import Scheduler
+from ragcache.serving.scheduler import Scheduler
 from ragcache.service import RagCache
 
 from . import errors

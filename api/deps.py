@@ -5,7 +5,7 @@ import time
 
 from fastapi import Request
 
-from ragcache.generation import Ask
+from ragcache.serving.generation import Ask
 
 from .errors import from_exception
 from .streaming import TicketStream

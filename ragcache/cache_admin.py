@@ -5,8 +5,8 @@ namespace); their store keys are what a request would look up now.
 """
 from __future__ import annotations
 
+from .corpus.ingest import unpack_ids
 from .errors import NotFound
-from .ingest import unpack_ids
 
 
 class CacheAdmin:

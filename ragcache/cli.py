@@ -33,7 +33,7 @@ def _ingest(args, settings) -> int:
 
 
 def _precompute(args, settings) -> int:
-    from .precompute import run_precompute
+    from .jobs.precompute import run_precompute
 
     summary = run_precompute(settings, workers=args.workers, namespace=args.namespace, progress=not args.quiet,
                              job_id=args.job, retry_failed=args.retry_failed)
@@ -96,7 +96,7 @@ def _ints(text: str) -> list[int]:
 def _eval_config(args, settings):
     from pathlib import Path
 
-    from .evaluate import EvalConfig
+    from .evaluation.evaluate import EvalConfig
 
     return EvalConfig(Path(args.dataset), modes=args.modes.split(","), ratios=args.ratios, epic_ks=args.epic_k,
                       probe_ratios=args.probe_ratios, probe_epic_k=args.probe_epic_k, probe_layers=args.probe_layers,
@@ -108,7 +108,7 @@ def _eval_config(args, settings):
 
 
 def _eval(args, settings) -> int:
-    from .evaluate import evaluate, latest_dir, output_dir, table, write_results
+    from .evaluation.evaluate import evaluate, latest_dir, output_dir, table, write_results
     from .service import RagCache
 
     out = output_dir(args.out)  # a bad --out fails now, not after the run
@@ -125,7 +125,7 @@ def _eval(args, settings) -> int:
 
 
 def _calibrate(args, settings) -> int:
-    from .calibrate import calibrate
+    from .evaluation.calibrate import calibrate
     from .service import RagCache
 
     with RagCache(settings) as service:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from .config import Settings
 from .errors import UserError
-from .evaluate import EvalConfig, evaluate, latest_dir, load_dataset, output_dir, table, write_results
-from .precompute import run_precompute
+from .evaluation.evaluate import EvalConfig, evaluate, latest_dir, load_dataset, output_dir, table, write_results
+from .jobs.precompute import run_precompute
 from .service import RagCache
 
 NAMESPACE = "demo"

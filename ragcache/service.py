@@ -2,11 +2,11 @@
 object per role.
 
     rc = RagCache(Settings())
-    rc.corpus      documents in and out, retrieval (corpus.py)
-    rc.generation  retrieve → load → blend → decode, streamed (generation.py)
+    rc.corpus      documents in and out, retrieval (corpus/corpus.py)
+    rc.generation  retrieve → load → blend → decode, streamed (serving/generation.py)
     rc.cache       lookups, pins, evictions, tier statistics (cache_admin.py)
-    rc.jobs        precompute jobs in child processes (jobs.py)
-    rc.requests    the recent requests a server answered (recent.py)
+    rc.jobs        precompute jobs in child processes (jobs/launcher.py)
+    rc.requests    the recent requests a server answered (serving/recent.py)
 
 `generate`, `ingest`, `search` and friends stay here as one-liners: the Python API of the README.
 """
@@ -16,12 +16,12 @@ from pathlib import Path
 
 from .cache_admin import CacheAdmin
 from .config import Settings
-from .corpus import ChunkHit, Corpus
-from .generation import Ask, Generation
-from .ingest import IngestReport
-from .jobs import Jobs
+from .corpus.corpus import ChunkHit, Corpus
+from .corpus.ingest import IngestReport
+from .jobs.launcher import Jobs
 from .parts import Parts
-from .recent import RequestLog
+from .serving.generation import Ask, Generation
+from .serving.recent import RequestLog
 
 __all__ = ["Ask", "ChunkHit", "RagCache"]
 

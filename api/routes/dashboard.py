@@ -8,7 +8,7 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse
 
-from ragcache.evaluate import latest_dir
+from ragcache.evaluation.evaluate import latest_dir
 
 from ..auth import Caller, caller
 from ..deps import service

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from ragcache.chunking import Document
+from ragcache.corpus.chunking import Document
 from ragcache.errors import Conflict
 
 from ..auth import Caller, caller

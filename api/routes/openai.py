@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fastapi import APIRouter, Depends, Request
 
-from ragcache.generation import Ask
+from ragcache.serving.generation import Ask
 
 from ..auth import Caller, caller
 from ..deps import record, service, start_generation

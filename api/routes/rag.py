@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from ragcache.generation import Ask
+from ragcache.serving.generation import Ask
 
 from ..auth import Caller, caller
 from ..deps import record, start_generation

@@ -1,4 +1,7 @@
-"""`ragcache bench WHAT`: scripts whose printed output goes into BENCHMARKS.md with the command."""
+"""`ragcache bench WHAT`: scripts whose printed output goes into BENCHMARKS.md with the command.
+
+May import: config, errors, meta, store, corpus, parts, evaluation, serving, jobs, service (and blend, index).
+"""
 from __future__ import annotations
 
 import importlib

@@ -7,7 +7,7 @@ from blend import CacheBlend, Epic, Full, Reuse, Runner, compute_chunk, compute_
 from blend.prompt import as_ids, chat_frame, encode
 
 from ..errors import UserError
-from ..evaluate import load_dataset
+from ..evaluation.evaluate import load_dataset
 from .timing import interleaved, median, table
 
 MODES = {"full": Full(), "reuse": Reuse(), "epic@16": Epic(16), "cacheblend@0.15": CacheBlend(0.15)}

@@ -12,8 +12,8 @@ import numpy as np
 
 from index import Embedder, VectorIndex
 
-from ..evaluate import load_dataset
-from ..metrics import normalize
+from ..evaluation.evaluate import load_dataset
+from ..evaluation.scores import normalize
 from .timing import table
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 from sqlalchemy import select
 
 from ..config import Settings
-from ..ingest import unpack_ids
+from ..corpus.ingest import unpack_ids
+from ..jobs.precompute import _work
+from ..jobs.rows import join_or_start_job
 from ..meta import Chunk
-from ..job_rows import join_or_start_job
-from ..precompute import _work
 from ..service import RagCache
 from .timing import table
 

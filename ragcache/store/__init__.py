@@ -3,6 +3,8 @@
     gpu (CUDA only) → cpu → disk (RAGCACHE_HOME/kv) → redis (when RAGCACHE_REDIS_URL is set)
 
 Layers never import upward: tiers know bytes or tensors, `tiered.py` knows tiers and SQL.
+
+May import: config, errors, meta (and blend).
 """
 from __future__ import annotations
 

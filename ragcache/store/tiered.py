@@ -30,8 +30,8 @@ from ..meta import Database, KVEntry, utcnow
 from .codec import CorruptBlob, StoredKV, checksum, from_bytes, to_bytes
 from .faults import FAILED as _FAILED
 from .faults import TierGuard
-from .ledger import Ledger, adopt_legacy, copies_of
 from .ladder import MemoryLadder, cost_of
+from .ledger import Ledger, adopt_legacy, copies_of
 from .tier import Tier
 
 _UNBOUNDED = 1 << 62  # a pinned entry's room in a blob store that has none left

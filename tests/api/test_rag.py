@@ -1,7 +1,10 @@
 """POST /v1/rag/generate against a real server: JSON, SSE streaming, explain, and every error."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -94,3 +97,13 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(api_server):
     assert api_server.metric("ragcache_kv_in_use_bytes") == 0  # its cache went back with it
     with api_server.client() as c:  # the model thread is free for the next one
         assert c.post("/v1/rag/generate", json=_ask(api_server, mode="reuse", max_tokens=2)).status_code == 200
+
+
+def test_the_demo_client_answers_through_both_public_doors(api_server):
+    """demo/client.py, as a user runs it against a server: the streamed REST answer, then the OpenAI chat."""
+    client = Path(__file__).parents[2] / "demo" / "client.py"
+    r = subprocess.run([sys.executable, str(client), api_server.question, "--url", api_server.url, "--namespace",
+                        api_server.namespace, "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "== POST /v1/rag/generate" in r.stdout and "== POST /v1/chat/completions" in r.stdout
+    assert r.stdout.count("KV from ") >= 1 and "chunks: [" in r.stdout

@@ -9,9 +9,9 @@ from datetime import timedelta
 
 from sqlalchemy import select
 
-from ragcache import claims
+from ragcache.jobs import claims
 from ragcache.meta import Chunk, Document, Job
-from ragcache.precompute import run_precompute
+from ragcache.jobs.precompute import run_precompute
 from ragcache.service import RagCache
 
 from .test_precompute import _env, _settings

@@ -7,9 +7,9 @@ import threading
 import pytest
 from sqlalchemy import select, update
 
-from ragcache.chunking import SEPARATOR, Document, chunk_document, read_documents
+from ragcache.corpus.chunking import SEPARATOR, Document, chunk_document, read_documents
 from ragcache.errors import UserError
-from ragcache.ingest import ingest_documents
+from ragcache.corpus.ingest import ingest_documents
 from ragcache.meta import SCHEMA_VERSION, Chunk, Database, SchemaInfo
 
 from .conftest import pg_database
@@ -117,7 +117,7 @@ def test_a_database_newer_than_the_code_is_refused_by_name(tmp_path):
 def test_a_corpus_ingested_in_float32_serves_a_bfloat16_model(tmp_path, smollm):
     """Chunks depend on the tokenizer, KV on weights and dtypes: the other dtype computes its own KV."""
     from ragcache import RagCache, Settings
-    from ragcache.precompute import run_precompute
+    from ragcache.jobs.precompute import run_precompute
 
     docs = [Document("a", "", "Short text about Rome."), Document("b", "", "Short text about Paris.")]
     settings = Settings(home=tmp_path, model=str(smollm.path), dtype="float32")

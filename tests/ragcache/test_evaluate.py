@@ -12,7 +12,7 @@ import pytest
 from blend import A3, BlendQ, Epic, Full, Probe
 from blend.reweight import Reweight, Reweighted
 from ragcache.config import Settings
-from ragcache.evaluate import METRICS, EvalConfig, load_dataset, policies
+from ragcache.evaluation.evaluate import METRICS, EvalConfig, load_dataset, policies
 from ragcache.errors import UserError
 
 DEMO = Path(__file__).resolve().parents[2] / "demo" / "data" / "musique_demo.json"
@@ -55,7 +55,7 @@ def test_eval_writes_valid_results_and_full_recompute_matches_full(tmp_path, tin
 
 
 def test_calibrate_stores_the_fastest_mode_within_the_target(tmp_path, tiny, smollm):
-    from ragcache.calibrate import calibrate
+    from ragcache.evaluation.calibrate import calibrate
     from ragcache.meta import ModelDefault
     from ragcache.service import RagCache
 
@@ -106,7 +106,7 @@ def test_bad_eval_input_is_a_clear_error(tmp_path):
 
 
 def test_frontier_keeps_the_modes_nothing_beats_on_speed_and_kl():
-    from ragcache.plot import frontier
+    from ragcache.evaluation.plot import frontier
 
     modes = {"full": {"speedup_vs_full": 1.0, "kl_tf": 0.0}, "a": {"speedup_vs_full": 5.0, "kl_tf": 0.08},
              "b": {"speedup_vs_full": 6.0, "kl_tf": 0.05}, "c": {"speedup_vs_full": 20.0, "kl_tf": 0.1},

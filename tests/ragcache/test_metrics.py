@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from ragcache.metrics import best_f1, f1, kl, normalize
+from ragcache.evaluation.scores import best_f1, f1, kl, normalize
 
 
 def test_normalize_drops_case_punctuation_and_articles():

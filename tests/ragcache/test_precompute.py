@@ -49,7 +49,7 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def precomputed(tmp_path_factory, corpus, smollm) -> Path:
     """A home with the corpus ingested and precomputed (in process); tests work on copies."""
-    from ragcache.precompute import run_precompute
+    from ragcache.jobs.precompute import run_precompute
 
     home = tmp_path_factory.mktemp("precomputed") / "home"
     settings = _settings(_env(home, smollm))
@@ -219,7 +219,7 @@ def test_reingesting_a_changed_document_drops_its_old_vectors_and_kv(tmp_path, s
     settings = _settings(env)
     service = RagCache(settings)
     service.ingest(docs)
-    from ragcache.precompute import run_precompute
+    from ragcache.jobs.precompute import run_precompute
 
     run_precompute(settings, progress=False)
     old_keys = set(service.store.blobs[0].keys())
@@ -237,7 +237,7 @@ def test_reingesting_a_changed_document_drops_its_old_vectors_and_kv(tmp_path, s
 
 def test_work_is_not_thrown_away(tmp_path, smollm):
     """An edited document keeps the KV of its unchanged chunks, and a text twice in one batch is computed once."""
-    from ragcache.precompute import run_precompute
+    from ragcache.jobs.precompute import run_precompute
 
     words = [f"word{i}" for i in range(150)]
     docs = tmp_path / "docs.jsonl"

@@ -10,8 +10,8 @@ import pytest
 from blend.prompt import QUESTION, chat_frame, conversation, encode
 from ragcache.config import Settings
 from ragcache.errors import Busy
-from ragcache.scheduler import Scheduler
-from ragcache.textstream import TextStream
+from ragcache.serving.scheduler import Scheduler
+from ragcache.serving.textstream import TextStream
 
 
 @pytest.mark.parametrize("text", ["  Exeter College, Oxford.  ", "Zürich — 東京 café 🙂 done", "a\n\n b  c ", " "])

@@ -11,9 +11,9 @@ import numpy as np
 import torch
 from sqlalchemy import delete, func, select
 
+from ..meta import Chunk, Database, bump_index_versions
+from ..meta import Document as DocRow
 from .chunking import Document, chunk_document
-from .meta import Chunk, Database, bump_index_versions
-from .meta import Document as DocRow
 
 
 @dataclass

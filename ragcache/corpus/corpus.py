@@ -15,11 +15,11 @@ import numpy as np
 import torch
 from sqlalchemy import delete, select
 
+from ..errors import NotFound, UserError
+from ..meta import Chunk, bump_index_versions
+from ..meta import Document as DocRow
 from .chunking import Document, read_documents
-from .errors import NotFound, UserError
 from .ingest import IngestReport, corpus_counts, ingest_documents, same_tokenizer
-from .meta import Chunk, bump_index_versions
-from .meta import Document as DocRow
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import UserError
+from ..errors import UserError
+from ..meta import ModelDefault
 from .evaluate import EvalConfig, evaluate
-from .meta import ModelDefault
 
 
 @dataclass

@@ -27,14 +27,14 @@ from blend.decode import Sampling, decode
 from blend.reweight import Reweight, Reweighted
 from blend.prompt import as_ids, encode
 
-from .chunking import SEPARATOR
-from .config import EVAL_MODES
-from .errors import UserError
-from .meta import Database
-from .metrics import best_f1, f1, kl
-from .store import TieredStore, decode as decode_kv, encode as encode_kv, kv_key
-from .store.disk import DiskTier
-from .store.memory import MemoryTier
+from ..config import EVAL_MODES
+from ..corpus.chunking import SEPARATOR
+from ..errors import UserError
+from ..meta import Database
+from ..store import TieredStore, decode as decode_kv, encode as encode_kv, kv_key
+from ..store.disk import DiskTier
+from ..store.memory import MemoryTier
+from .scores import best_f1, f1, kl
 
 METRICS = ("ttft_s_median", "speedup_vs_full", "f1_gold", "f1_vs_full", "top1_agree", "kl_first", "kl_tf",
            "recompute_fraction", "work_fraction")

@@ -54,6 +54,7 @@ class Sequence:
         self.logits = fused.logits  # (V,) the next token's distribution
         self.stream = TextStream(tokenizer)
         self.finish_reason: str | None = None
+        self.token: int | None = None  # the last token picked, for the next decode step to feed back
         self.generator = None
         s = prep.sampling
         if s.temperature > 0:
@@ -73,6 +74,7 @@ class Sequence:
         if len(self.stream.ids) == self.prep.sampling.max_new_tokens:
             self.finish_reason = "length"
             return None
+        self.token = token
         return token
 
     def cancel(self) -> None:

@@ -14,10 +14,10 @@ import subprocess
 import sys
 import threading
 
-from .errors import Conflict, NotFound
-from .ingest import corpus_counts
-from .meta import Job, utcnow
-from .job_rows import LOCK_FILE, join_or_start_job
+from ..corpus.ingest import corpus_counts
+from ..errors import Conflict, NotFound
+from ..meta import Job, utcnow
+from .rows import LOCK_FILE, join_or_start_job
 
 
 class Jobs:

@@ -22,12 +22,12 @@ from blend.reweight import Reweight, Reweighted
 from blend.decode import Sampling
 from blend.prompt import as_ids, conversation
 
-from .config import RATIO_MODES
-from .corpus import Corpus, check_query
-from .errors import NotFound, UserError
-from .ingest import same_tokenizer, unpack_ids
-from .meta import ModelDefault
-from .store import decode as decode_kv
+from ..config import RATIO_MODES
+from ..corpus.corpus import Corpus, check_query
+from ..corpus.ingest import same_tokenizer, unpack_ids
+from ..errors import NotFound, UserError
+from ..meta import ModelDefault
+from ..store import decode as decode_kv
 from .sequence import Prepared, Sequence
 
 

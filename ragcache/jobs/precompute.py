@@ -23,12 +23,14 @@ from datetime import timedelta
 import torch
 from sqlalchemy import select
 
-from .config import Settings
-from .errors import UserError
-from .ingest import unpack_ids
-from .job_rows import LOCK_FILE, count_chunks, finish_job_if_empty, join_or_start_job
+from ..config import Settings
+from ..corpus.corpus import Corpus
+from ..corpus.ingest import unpack_ids
+from ..errors import UserError
+from ..meta import Chunk, Database
+from ..parts import Parts
 from . import claims
-from .meta import Chunk, Database
+from .rows import LOCK_FILE, count_chunks, finish_job_if_empty, join_or_start_job
 
 
 @dataclass
@@ -44,14 +46,13 @@ class Summary:
 def run_precompute(settings: Settings, workers: int = 1, namespace: str | None = None,
                    progress: bool = True, service=None, job_id: int | None = None,
                    retry_failed: bool = False) -> Summary:
-    """Precompute every pending chunk; `service`, when given, is used (and left open) instead of a new one;
-    `job_id` names a job row made beforehand (the server's), else the running one is joined or one started;
-    `retry_failed` gives failed chunks a fresh set of attempts first."""
-    from .service import RagCache
-
+    """Precompute every pending chunk; `service` (a RagCache), when given, is used (and left open) instead of
+    parts of its own; `job_id` names a job row made beforehand (the server's), else the running one is joined
+    or one started; `retry_failed` gives failed chunks a fresh set of attempts first."""
     own = service is None
-    service = RagCache(settings) if own else service
-    db, lock = service.db, None
+    parts = Parts(settings) if own else service
+    corpus = Corpus(parts) if own else service.corpus
+    db, lock = parts.db, None
     try:
         lock = _single_writer_lock(settings, db, workers)
         run = uuid.uuid4().hex[:8]  # this invocation; each worker is host:pid:run:i
@@ -63,7 +64,7 @@ def run_precompute(settings: Settings, workers: int = 1, namespace: str | None =
         pending = count_chunks(db, namespace, "pending")
         bar = _bar(pending, progress)
         if workers == 1:
-            _work(service, job_id, namespace, claims.worker_id(run, 0),
+            _work(parts, job_id, namespace, claims.worker_id(run, 0),
                   on_batch=lambda n: bar.update(n) if bar else None)
         else:
             ctx = multiprocessing.get_context("spawn")
@@ -88,34 +89,32 @@ def run_precompute(settings: Settings, workers: int = 1, namespace: str | None =
                           skipped)
         finish_job_if_empty(db, job_id, namespace)
         for ns in _namespaces(db, namespace):
-            service.sync_index(ns)
+            corpus.sync_index(ns)
         return summary
     finally:
         if lock is not None:
             lock.close()
         if own:
-            service.close()
+            parts.close()
 
 
 def _worker_main(settings: dict, job_id: int, namespace: str | None, run: str, i: int, threads: int) -> None:
-    from .service import RagCache
-
     torch.set_num_threads(threads)  # workers share the cores
-    service = RagCache(Settings(**settings))
+    parts = Parts(Settings(**settings))
     try:
-        _work(service, job_id, namespace, claims.worker_id(run, i))
+        _work(parts, job_id, namespace, claims.worker_id(run, i))
     finally:
-        service.close()
+        parts.close()
 
 
-def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=None) -> None:
+def _work(parts: Parts, job_id: int, namespace: str | None, worker: str, on_batch=None) -> None:
     """Claim a batch, process it, commit it; until nothing is left to claim (waiting out retry delays
     and the leases of chunks other workers hold).
 
     A chunk's store write (serialise, checksum, fsync) runs on a writer thread while the next
     chunk prefills; the batch commits only once its writes are durable. Leases are renewed meanwhile.
     """
-    db, cfg = service.db, service.settings
+    db, cfg = parts.db, parts.settings
     lease = timedelta(seconds=cfg.lease_seconds)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-write") as writer, \
             claims.Heartbeat(db, worker, lease) as heartbeat:
@@ -131,11 +130,11 @@ def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=Non
             for cid, ns, ids_bytes, text in batch:
                 try:
                     ids = unpack_ids(ids_bytes)
-                    key = service.kv_key_of(ids, ns)
+                    key = parts.kv_key_of(ids, ns)
                     write = writes.get(key)  # the same text twice in this batch: computed once
-                    if write is None and not service.store.contains(key):  # stored before: one entry
-                        _, kv = service.prefill_for_store(ids)
-                        put = writer.submit(service.store.put, key, kv, durable=True)  # `done` promises a blob
+                    if write is None and not parts.store.contains(key):  # stored before: one entry
+                        _, kv = parts.prefill_for_store(ids)
+                        put = writer.submit(parts.store.put, key, kv, durable=True)  # `done` promises a blob
                         write = writes[key] = put
                     pending.append((cid, ns, key, text, int(ids.numel()), write))
                     heartbeat.beat()
@@ -149,7 +148,7 @@ def _work(service, job_id: int, namespace: str | None, worker: str, on_batch=Non
                     done.append((cid, ns, key, text, n))
                 except Exception as e:  # noqa: BLE001
                     failed.append((cid, f"{type(e).__name__}: {e}"))
-            vectors = service.embedder.embed([t for _, _, _, t, _ in done]) if done else []
+            vectors = parts.embedder.embed([t for _, _, _, t, _ in done]) if done else []
             ended = claims.commit(db, job_id, worker, done, vectors, failed, cfg.precompute_attempts,
                                   cfg.retry_backoff_s)
             heartbeat.beat()

@@ -14,7 +14,7 @@ import queue
 import threading
 from typing import Callable
 
-from .errors import UserError
+from ..errors import UserError
 from .sequence import Prepared
 from .ticket import Ticket
 

@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 import numpy as np
 from sqlalchemy import func, or_, select, update
 
-from .meta import Chunk, Database, Job, bump_index_versions, utcnow
+from ..meta import Chunk, Database, Job, bump_index_versions, utcnow
 
 log = logging.getLogger("ragcache.precompute")
 

@@ -1,0 +1,7 @@
+"""evaluation: quality against latency, offline.
+
+`evaluate` runs every mode against full prefill on a MuSiQue-format file (fidelity, gold F1, TTFT); `scores`
+holds the metrics (F1, KL), `plot` the Pareto plot, `calibrate` stores the fastest mode within a KL target.
+
+May import: config, errors, meta, store, corpus (and blend, index).
+"""
