@@ -74,10 +74,10 @@ def assemble(runner: Runner, prefix: PrefixKV | None, chunks: list[ChunkKV], lay
         if chunk.k is None:
             raise ValueError("this policy reads chunk KV: pass ChunkKVs with tensors, not tokens_only()")
         cache.v[:, :, a:b] = chunk.v
-        if a == chunk.start:
+        if a == chunk.start and not chunk.k_pre_rope:
             cache.k[:, :, a:b] = chunk.k
-        else:  # RoPE re-alignment: one more rotation by the position delta, written in place
-            delta = torch.full((b - a,), a - chunk.start, dtype=torch.long)
+        else:  # RoPE re-alignment: one more rotation by the position delta (pre-RoPE K: by its position)
+            delta = torch.arange(a, b) if chunk.k_pre_rope else torch.full((b - a,), a - chunk.start, dtype=torch.long)
             cos, sin = delta_cos_sin(delta, runner.inv_freq)
             kernels.realign_rope_(cache.k[:, :, a:b].flatten(0, 1), cos.to(runner.device), sin.to(runner.device),
                                   src=chunk.k.to(runner.device).flatten(0, 1))

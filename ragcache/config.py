@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from pydantic import ValidationInfo, field_validator
@@ -19,6 +20,8 @@ CHOICES = {
     "eviction": ("gdsf", "lru"),
     "write_policy": ("write-through", "write-back"),
 }
+# the blob codecs (store/codecs.py): raw, compact (calibrated), compact-kXvY (+Ln: one more bit in layer n)
+KV_CODEC = re.compile(r"raw|compact|compact-k([234])v([234])((?:\+L\d+)*)")
 DEFAULT_SYSTEM_PROMPT = (
     "You will be asked a question after reading several passages. "
     "Answer it directly from the passages, in a few words. Do not repeat the question."
@@ -40,6 +43,7 @@ class Settings(BaseSettings):
     database_url: str | None = None  # default: a SQLite file in `home`; or postgresql+psycopg://…
     redis_url: str | None = None  # the shared remote tier, off unless set (redis://127.0.0.1:6379/0)
     kv_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16 | float16 | int8
+    kv_codec: str = "raw"  # raw (kv_dtype) | compact | compact-kXvY: how disk and Redis blobs are written
     gpu_cache_bytes: int = 8 << 30  # used only when CUDA is present
     cpu_cache_bytes: int = 2 << 30
     disk_cache_bytes: int = 64 << 30
@@ -92,6 +96,13 @@ class Settings(BaseSettings):
         allowed = CHOICES[info.field_name]
         if v not in allowed:
             raise ValueError(f"{info.field_name} must be one of {', '.join(allowed)}")
+        return v
+
+    @field_validator("kv_codec")
+    @classmethod
+    def _codec(cls, v: str) -> str:
+        if not KV_CODEC.fullmatch(v):
+            raise ValueError("must be raw, compact or compact-kXvY (X, Y in 2..4, e.g. compact-k3v3)")
         return v
 
     @property

@@ -18,6 +18,7 @@ from .config import Settings
 from .meta import Database
 from .store import encode as encode_kv
 from .store import kv_key, open_store
+from .store.codecs import spec_for
 
 
 class part:
@@ -108,8 +109,17 @@ class Parts:
             salt = self._salts[namespace] = self.db.namespace_salt(namespace, self.settings.share_across_namespaces)
         return kv_key(self.model.fingerprint, token_ids, self.chunk_context, self.kv_dtype, salt)
 
+    def codec_spec(self, name: str | None = None):
+        """The compact codec's widths for this model (None: raw); `name` defaults to RAGCACHE_KV_CODEC."""
+        return spec_for(name or self.settings.kv_codec, self.runner.num_layers, self.settings.home,
+                        self.model.fingerprint)
+
+    @part
+    def kv_codec(self):
+        return self.codec_spec()
+
     def store_encode(self, kv: ChunkKV):
-        return encode_kv(kv, self.kv_dtype)
+        return encode_kv(kv, self.kv_dtype, self.kv_codec, self.runner.inv_freq)
 
     def compute_chunk_kv(self, token_ids: torch.Tensor) -> ChunkKV:
         prefixed = self.settings.chunk_prefill == "prefixed"
