@@ -18,6 +18,7 @@ from .config import Settings
 from .meta import Database
 from .store import encode as encode_kv
 from .store import kv_key, open_store
+from .store.admission import Admission
 from .store.codecs import spec_for
 
 
@@ -81,6 +82,10 @@ class Parts:
     @part
     def store(self):
         return open_store(self.settings, self.db)
+
+    @part
+    def admission(self) -> Admission:
+        return Admission(self.settings.admission, self.settings.admission_window)
 
     @part
     def embedder(self):

@@ -93,7 +93,8 @@ class Decoder:
         self._dctx = zstandard.ZstdDecompressor()
 
     def frame_into(self, frame: bytes | memoryview, out: torch.Tensor, per_token: bool) -> None:
-        """One frame into out (H, n, hd) float32: per_token is V's grouping, else K's."""
+        """One frame into out (H, n, hd), float32 (or bfloat16 on CUDA): per_token is V's grouping, else K's. On a CUDA `out` the
+        zstd stage runs on the CPU and the unpacking on the GPU."""
         h, n, hd = out.shape
         groups = h * n if per_token else h * hd
         (size,) = _HEAD.unpack_from(frame, 0)
@@ -102,14 +103,14 @@ class Decoder:
             raise ValueError("frame length does not match its header")
         scales = np.frombuffer(frame, dtype=np.float16, count=2 * groups, offset=_HEAD.size)
         shape = (h, n, 1) if per_token else (h, 1, hd)
-        lo = torch.from_numpy(scales[:groups].astype(np.float32)).view(shape)
-        step = torch.from_numpy(scales[groups:].astype(np.float32)).view(shape)
+        lo = torch.from_numpy(scales[:groups].astype(np.float32)).view(shape).to(out.device)
+        step = torch.from_numpy(scales[groups:].astype(np.float32)).view(shape).to(out.device)
         raw = self._dctx.decompress(memoryview(frame)[head:], max_output_size=h * n * hd // 2)
         if len(raw) != h * n * hd // 2:
             raise ValueError("frame payload has the wrong size")
-        packed = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(h, n, hd // 2)
+        packed = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(h, n, hd // 2).to(out.device)
         half = hd // 2
-        out[..., :half] = packed & 15  # uint8 → float32 as it is written
+        out[..., :half] = packed & 15  # uint8 → float as it is written
         out[..., half:] = packed >> 4
         out.mul_(step).add_(lo)
 
