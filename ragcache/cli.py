@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -146,6 +147,14 @@ def _calibrate(args, settings) -> int:
     return 0
 
 
+def _calibrate_codec(args, settings) -> int:
+    from .evaluation.codec_calibrate import command
+    from .service import RagCache
+
+    with RagCache(settings) as service:
+        return command(service, args)
+
+
 def _add_eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", required=True, help="a MuSiQue/CacheBlend-format JSON file")
     p.add_argument("--modes", default=",".join(EVAL_MODES))
@@ -256,6 +265,17 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     _add_eval_flags(cal)
     cal.add_argument("--target-kl", type=float, required=True, help="mean teacher-forced KL(full ‖ mode), nats")
     cal.set_defaults(func=_calibrate)
+
+    cc = sub.add_parser("calibrate-codec", help="measure which layers the compact KV codec gives one more bit")
+    cc.add_argument("--dataset", required=True, type=Path, help="a MuSiQue/CacheBlend-format JSON file (dev questions)")
+    cc.add_argument("--first", type=int, default=40, help="first question (keep them apart from what you report)")
+    cc.add_argument("--count", type=_positive, default=5)
+    cc.add_argument("--top-k", type=_positive, default=4, help="passages per question")
+    cc.add_argument("--k-bits", type=int, choices=[2, 3, 4], default=3)
+    cc.add_argument("--v-bits", type=int, choices=[2, 3, 4], default=3)
+    cc.add_argument("--max-bits", type=float, default=3.0, help="mean bits per element, everything counted")
+    cc.add_argument("--quiet", action="store_true")
+    cc.set_defaults(func=_calibrate_codec)
 
     if extend is not None:
         extend(sub)

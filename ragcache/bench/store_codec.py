@@ -1,13 +1,17 @@
 """The blob codecs on real chunk KV: size (every scale, sum and header counted), encode and decode speed
-on one core, and fidelity (ΔKL per mode against the float32 store, through `evaluate`)."""
+on one core, and fidelity (ΔKL per mode against the float32 store, with `evaluate`'s pieces)."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from ..evaluation.evaluate import EvalConfig, evaluate
+from blend import Full
+
+from ..evaluation.evaluate import EvalConfig, _Passages, _run_mode, load_dataset, policies
+from ..evaluation.scores import kl
 from ..store import decode, encode
 from ..store.codec import to_bytes
 from .timing import interleaved, median, table
@@ -58,25 +62,45 @@ def print_sizes(rows: list[list], chunks: list, model) -> None:
                        "decode ms per 512 tokens"]))
 
 
-def fidelity(service, dataset: str, codecs: list[str], passages: list[int], limit: int) -> list[list]:
-    """ΔKL (teacher-forced, and first token) and Δ top-1 agreement of each codec against raw float32, per mode."""
+def fidelity(service, dataset: str, codecs: list[str], passages: list[int], limit: int, root: Path) -> list[list]:
+    """ΔKL (teacher-forced, and first token) and Δ top-1 agreement of each codec against raw float32, per mode;
+    full prefill (the reference) computed once per question, every codec's chunks through encode and decode."""
+    from blend.prompt import as_ids, encode as tokenize
+
+    data = load_dataset(Path(dataset), limit)
     rows = []
     for n in passages:
-        results = {}
+        cfg = EvalConfig(Path(dataset), modes=["reuse", "cacheblend", "epic", "probe"], ratios=[0.15], epic_ks=[16],
+                         probe_ratios=[0.1], top_k=n, chunk_prefill="prefixed", kv_dtype="float32", max_new_tokens=16)
+        modes = policies(cfg)[1:]  # full is the reference
+        stores = {}
         for codec in ["raw", *codecs]:
-            cfg = EvalConfig(Path(dataset), modes=["reuse", "cacheblend", "epic", "probe"], ratios=[0.15],
-                             epic_ks=[16], probe_ratios=[0.1], ape=[(1.0, 0.5)], top_k=n, chunk_prefill="prefixed",
-                             kv_dtype="float32", codec=codec, limit=limit, max_new_tokens=16)
-            t0 = time.perf_counter()
-            results[codec] = evaluate(service, cfg, progress=False)["modes"]
-            print(f"  eval {n} passages, {codec}: {time.perf_counter() - t0:.0f} s", flush=True)
-        for codec in codecs:
-            for label, m in results[codec].items():
-                if label == "full":
-                    continue
-                base = results["raw"][label]
-                rows.append([n, label, codec, base["kl_tf"], m["kl_tf"] - base["kl_tf"],
-                             m["kl_first"] - base["kl_first"], base["top1_agree"], m["top1_agree"] - base["top1_agree"]])
+            (root / f"fidelity-{n}-{codec}").mkdir()
+            stores[codec] = _Passages(service, replace(cfg, codec=codec), root / f"fidelity-{n}-{codec}")
+        sums: dict[tuple[str, str], list[float]] = {}
+        t0 = time.perf_counter()
+        for item in data:
+            texts = [c["text"] for c in item["ctxs"][:n]]
+            suffix = as_ids(tokenize(service.tokenizer, "Question: " + item["question"]) + service.frame.tail)
+            keys = {codec: p.ensure(texts) for codec, p in stores.items()}
+            full = _run_mode(service, stores["raw"], keys["raw"], suffix, Full(), cfg)
+            for codec, p in stores.items():
+                for label, policy in modes:
+                    out = _run_mode(service, p, keys[codec], suffix, policy, cfg, reference=full["answer_ids"])
+                    m = min(len(full["tf"]), len(out["tf"]))
+                    s = sums.setdefault((codec, label), [0.0, 0.0, 0.0])
+                    s[0] += float(kl(full["tf"][:m], out["tf"][:m]).mean())
+                    s[1] += float(kl(full["tf"][0], out["tf"][0]))
+                    s[2] += float(out["first"] == full["first"])
+        print(f"  fidelity, {n} passages: {len(data)} questions in {time.perf_counter() - t0:.0f} s", flush=True)
+        for p in stores.values():
+            p.store.close()
+        mean = {key: [x / len(data) for x in s] for key, s in sums.items()}
+        for label, _ in modes:
+            base = mean["raw", label]
+            for codec in codecs:
+                kl_tf, kl_first, top1 = mean[codec, label]
+                rows.append([n, label, codec, base[0], kl_tf - base[0], kl_first - base[1], base[2], top1 - base[2]])
     return rows
 
 
