@@ -145,12 +145,6 @@ def _hit_rates(settings, root: Path, repeats: int, requests: int = 10_000, chunk
     print(table(rows, ["policy", "cost", "cpu hit rate", "recompute s", "prefill time saved"]))
 
 
-def _cost_model(settings, repeats: int):
-    grid = [64, 128, 256, 384, 512]
-    measured = _prefill_seconds(settings, grid, repeats)
-    return grid, measured, lambda n: float(np.interp(n, grid, [measured[g] for g in grid]))
-
-
 def _codec_parts(settings, args, root: Path, parts: set[str]) -> None:
     from ..service import RagCache
     from .store_codec import fidelity, print_fidelity, print_sizes, real_chunks, sizes_and_speeds
@@ -183,14 +177,13 @@ def run(settings, args) -> int:
         if parts & {"codecs", "ttft", "fidelity"}:
             _codec_parts(settings, args, root, parts)
         if "trace" in parts:
-            from .trace import report
+            from .trace import prefill_flops, report
 
-            _, _, cost = _cost_model(settings, args.repeats)
             bytes_per_token = 2 * SHAPE[0] * SHAPE[1] * SHAPE[3] * 4  # SmolLM2 float32 K and V
-            rows = report(cost, args.trace, bytes_per_token)
+            rows = report(prefill_flops, args.trace, bytes_per_token)
             print("\nadmission of query-time misses into one blob tier (capacity a share of the trace's distinct "
-                  "chunks' bytes), a miss costing its measured prefill; ratios against LRU without admission")
-            print(table(rows, ["zipf s", "capacity", "eviction", "admission", "hit rate", "prefill time saved",
+                  "chunks' bytes), a miss costing its prefill FLOPs; ratios against LRU without admission")
+            print(table(rows, ["zipf s", "capacity", "eviction", "admission", "hit rate", "prefill work saved",
                                "GB written", "saved ÷ LRU's", "written ÷ LRU's"]))
         if "zipf" in parts:
             _hit_rates(settings, root, args.repeats)

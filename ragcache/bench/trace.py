@@ -6,8 +6,9 @@
 A trace is the chunks a stream of requests uses, in order. Half of the distinct chunks in it are
 one-hit wonders (used once, at random places: Mooncake's traces have over half); the other uses
 follow a bounded Zipf(s) over `popular` chunks. Chunks hold 64–512 tokens; bytes are proportional
-to tokens and a miss costs the chunk's prefill (`cost_of_tokens`, measured by the caller). The tier
-is the production code: store/policy.py evicts, store/admission.py decides what is written.
+to tokens and a miss costs the chunk's prefill (`cost_of_tokens`; `prefill_flops` by default: a
+simulation with nothing timed). The tier is the production code: store/policy.py evicts,
+store/admission.py decides what is written.
 """
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ import numpy as np
 
 from ..store.admission import Admission
 from ..store.policy import make_policy
+
+
+def prefill_flops(tokens: int, params: float = 135e6, layers: int = 30, width: int = 576) -> float:
+    """A chunk's prefill in GFLOPs on SmolLM2: linear layers 2·params per token, causal attention 2·L·d·n²."""
+    return (2 * params * tokens + 2 * layers * width * tokens * tokens) / 1e9
 
 
 @dataclass
@@ -45,8 +51,8 @@ def make_trace(zipf_s: float, uses: int = 100_000, popular: int = 20_000, seed: 
 
 @dataclass
 class Replay:
-    saved: float  # prefill seconds the tier's hits saved
-    total: float  # prefill seconds of every use: what no cache would spend
+    saved: float  # prefill cost (seconds, or GFLOPs) the tier's hits saved
+    total: float  # prefill cost of every use: what no cache would spend
     hits: int
     written: int  # bytes written into the tier
 
