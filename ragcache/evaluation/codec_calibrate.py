@@ -17,7 +17,7 @@ from blend import ChunkKV, Full, Reuse, compute_chunk
 from blend.prompt import as_ids, encode as tokenize
 
 from ..store import decode, encode
-from ..store.codec import _rotate, to_bytes
+from ..store.codec import rotate_k, to_bytes
 from ..store.codecs import save_calibration
 from ..store.compact import Spec
 from .evaluate import EvalConfig, _run_mode, load_dataset
@@ -70,7 +70,7 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: int, base: 
         for c in chunks:
             entry = encode(c, "float32", base_spec, runner.inv_freq)
             coded.append(decode(entry, torch.float32, torch.device("cpu")))
-            pre.append(_rotate(c.k, -torch.arange(c.start, c.start + len(c)), runner.inv_freq))
+            pre.append(rotate_k(c.k, -torch.arange(c.start, c.start + len(c)), runner.inv_freq))
             up = encode(c, "float32", boosted, runner.inv_freq)
             for w, e in (("base", entry), ("boosted", up)):
                 layer_bytes[w] += torch.tensor([len(e.frames[2 * l]) + len(e.frames[2 * l + 1]) for l in range(layers)],

@@ -83,7 +83,7 @@ def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _rotate(k: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def rotate_k(k: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """k (L, Hkv, n, hd) float32 rotated by delta (n,) positions, into a new tensor."""
     cos, sin = delta_cos_sin(delta, inv_freq)
     out = torch.empty_like(k)
@@ -98,7 +98,7 @@ def encode(chunk: ChunkKV, kv_dtype: str, spec: Spec | None = None, inv_freq: to
     k, v = chunk.k.detach().cpu(), chunk.v.detach().cpu()
     if spec is not None:
         n = chunk.token_ids.shape[0]
-        k = _rotate(k.float(), -torch.arange(chunk.start, chunk.start + n), inv_freq)  # back to before RoPE
+        k = rotate_k(k.float(), -torch.arange(chunk.start, chunk.start + n), inv_freq)  # back to before RoPE
         return StoredKV(chunk.token_ids.cpu(), None, None, None, None, chunk.start, chunk.context, kv_dtype,
                         codec=spec.name, frames=encode_frames(k, v, spec), shape=tuple(k.shape))
     if kv_dtype == "int8":
@@ -119,6 +119,7 @@ def decode(entry: StoredKV, dtype: torch.dtype, device: torch.device) -> ChunkKV
             decode_layer(decoder, entry, l, k[l], v[l])
         return ChunkKV(entry.token_ids.cpu(), k.to(device, dtype), v.to(device, dtype), entry.start, entry.context,
                        lossless=False, k_pre_rope=True)
+
     def restore(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         x = x.to(device, non_blocking=True)
         if scale is None:

@@ -6,7 +6,7 @@ import torch
 
 from blend import ChunkKV, Reuse, compute_chunk, compute_prefix, fuse_and_prefill
 from ragcache.store import CorruptBlob, TieredStore, decode, encode
-from ragcache.store.codec import _rotate, from_bytes, to_bytes
+from ragcache.store.codec import rotate_k, from_bytes, to_bytes
 from ragcache.store.codecs import spec_for
 from ragcache.store.compact import Spec
 from ragcache.store.disk import DiskTier
@@ -42,7 +42,7 @@ def test_compact_round_trip_on_real_kv_is_within_its_bound_and_under_3_2_bits(re
     back = decode(entry, torch.float32, torch.device("cpu"))
     assert back.k_pre_rope and not back.lossless and torch.equal(back.token_ids, real_chunk.token_ids)
     n = len(real_chunk)
-    k_pre = _rotate(real_chunk.k, -torch.arange(real_chunk.start, real_chunk.start + n), smol_runner.inv_freq)
+    k_pre = rotate_k(real_chunk.k, -torch.arange(real_chunk.start, real_chunk.start + n), smol_runner.inv_freq)
     for l in range(smol_runner.num_layers):
         assert _within_bound(k_pre[l], back.k[l], spec.k_bits[l], dim=1)  # K: per (head, channel)
         assert _within_bound(real_chunk.v[l], back.v[l], spec.v_bits[l], dim=2)  # V: per (head, token)
@@ -51,7 +51,7 @@ def test_compact_round_trip_on_real_kv_is_within_its_bound_and_under_3_2_bits(re
 def test_pre_rope_k_is_rotated_to_its_new_place_when_fused(real_chunk, smol_runner):
     """A chunk whose K comes back before RoPE fuses as its post-RoPE original does, at a new offset."""
     n = len(real_chunk)
-    pre = ChunkKV(real_chunk.token_ids, _rotate(real_chunk.k, -torch.arange(real_chunk.start, real_chunk.start + n),
+    pre = ChunkKV(real_chunk.token_ids, rotate_k(real_chunk.k, -torch.arange(real_chunk.start, real_chunk.start + n),
                                                 smol_runner.inv_freq),
                   real_chunk.v, real_chunk.start, real_chunk.context, lossless=False, k_pre_rope=True)
     post = ChunkKV(real_chunk.token_ids, real_chunk.k, real_chunk.v, real_chunk.start, real_chunk.context,
