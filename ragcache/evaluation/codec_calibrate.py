@@ -9,8 +9,6 @@ RAGCACHE_HOME/codec/ (store/codecs.py), where `RAGCACHE_KV_CODEC=compact` finds 
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from blend import ChunkKV, Full, Reuse, compute_chunk
@@ -90,7 +88,7 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: int, base: 
     for l in order:
         if bits({*chosen, l}) <= max_bits:
             chosen.append(l)
-    spec = replace(Spec.uniform("compact", layers, *base, boost=tuple(chosen)), name="compact")
+    spec = Spec.uniform("compact", layers, *base, boost=tuple(chosen))
     report = {"base": list(base), "boosted_layers": sorted(chosen), "bits_per_element": bits(set(chosen)),
               "kl_rise_per_layer": [round(float(x), 6) for x in rise], "questions": [first, first + len(items)],
               "dataset": str(dataset), "top_k": top_k}
