@@ -102,7 +102,7 @@ def _write(runner: Runner, it: Rows, l: int, rows: torch.Tensor, q: torch.Tensor
            deviations: dict) -> torch.Tensor | None:
     """Write one item's new K/V (n, Hkv, hd) at layer l; at a deviation layer, the indices its filter keeps
     (None: all rows go on), as `Runner.forward_selected` does. q (n, H, hd): the rows' queries."""
-    ck, cv = it.cache.k[l], it.cache.v[l]  # (Hkv, capacity, hd)
+    ck, cv = it.cache.layer(l)  # (Hkv, capacity, hd)
     if l in it.deviation_layers:
         dev = kernels.deviation_scatter_(ck, rows, k), kernels.deviation_scatter_(cv, rows, v)
         deviations[l] = (rows, *dev)

@@ -7,7 +7,7 @@ import torch
 class KVCache:
     """Per-layer K (post-RoPE) and V of one sequence. Row i holds absolute position i.
 
-    k, v: (L, Hkv, capacity, hd); rows [0, length) are valid. `reweight`: set by fusion when the
+    k, v: (L, Hkv, capacity, hd); rows [0, length) are valid; the model reads a layer through `layer(l)`. `reweight`: set by fusion when the
     question's attention to cached context is re-weighted (`blend.reweight.Stale`), else None.
     """
 
@@ -15,6 +15,13 @@ class KVCache:
         assert k.shape == v.shape and k.dim() == 4, (k.shape, v.shape)
         self.k, self.v, self.length = k, v, length
         self.reweight = None
+        self.pending = None  # set by fusion while chunk layers are still arriving: pending(l) places layer l
+
+    def layer(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer l's K and V (Hkv, capacity, hd), its chunk KV placed first if it was still arriving."""
+        if self.pending is not None:
+            self.pending(l)
+        return self.k[l], self.v[l]
 
     @classmethod
     def empty(cls, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,

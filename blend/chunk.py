@@ -42,7 +42,9 @@ class ChunkKV:
     v: torch.Tensor | None  # (L, Hkv, n, hd)
     start: int  # 0 when computed alone, P when behind a P-token prefix
     context: str  # ALONE, or the key of the prefix it was computed behind
-    lossless: bool = True  # False: k/v went through a lossy store format (int8, a narrower float)
+    lossless: bool = True  # False: k/v went through a lossy store format (int8, a narrower float, compact)
+    k_pre_rope: bool = False  # True: k is before RoPE (a compact blob's), rotated to its place when fused
+    ready: object | None = None  # layers still arriving on another thread: ready.wait(l) returns once layer l is in
 
     def __len__(self) -> int:
         return self.token_ids.shape[0]

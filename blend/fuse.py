@@ -63,28 +63,58 @@ def layout_of(prefix: PrefixKV | None, chunks: list[ChunkKV], suffix_len: int) -
 
 def assemble(runner: Runner, prefix: PrefixKV | None, chunks: list[ChunkKV], layout: Layout,
              needed: list[bool], headroom: int = 0) -> KVCache:
-    """A cache with the prefix and every needed chunk's KV at its new offset; suffix rows zeroed."""
+    """A cache with the prefix and every needed chunk's KV at its new offset; suffix rows zeroed.
+
+    Chunk KV is placed a layer at a time. When some chunk's layers are still arriving (`ChunkKV.ready`),
+    each layer is placed when the model first reads it (`KVCache.layer`), the same way, so the bits
+    do not depend on when the layers came."""
     cache = runner.new_cache(layout.total + headroom)
     if prefix is not None:
         cache.k[:, :, : len(prefix)] = prefix.k
         cache.v[:, :, : len(prefix)] = prefix.v
+    placed = []
     for chunk, (a, b), need in zip(chunks, layout.spans, needed):
         if not need:
             continue
         if chunk.k is None:
             raise ValueError("this policy reads chunk KV: pass ChunkKVs with tensors, not tokens_only()")
-        cache.v[:, :, a:b] = chunk.v
-        if a == chunk.start:
-            cache.k[:, :, a:b] = chunk.k
-        else:  # RoPE re-alignment: one more rotation by the position delta, written in place
-            delta = torch.full((b - a,), a - chunk.start, dtype=torch.long)
-            cos, sin = delta_cos_sin(delta, runner.inv_freq)
-            kernels.realign_rope_(cache.k[:, :, a:b].flatten(0, 1), cos.to(runner.device), sin.to(runner.device),
-                                  src=chunk.k.to(runner.device).flatten(0, 1))
+        rotation = None
+        if a != chunk.start or chunk.k_pre_rope:  # RoPE re-alignment by the delta (pre-RoPE K: by the position)
+            delta = torch.arange(a, b) if chunk.k_pre_rope else torch.full((b - a,), a - chunk.start, dtype=torch.long)
+            rotation = tuple(t.to(runner.device) for t in delta_cos_sin(delta, runner.inv_freq))
+        placed.append((chunk, a, b, rotation))
     cache.k[:, :, layout.suffix_start : layout.total] = 0
     cache.v[:, :, layout.suffix_start : layout.total] = 0
     cache.length = layout.total
+    arriving = _Arriving(cache, placed)
+    if any(chunk.ready is not None for chunk, *_ in placed):
+        cache.pending = arriving
+    else:
+        arriving(runner.num_layers - 1)
     return cache
+
+
+class _Arriving:
+    """Places chunk KV into a cache layer by layer, in order, each layer once every chunk has it."""
+
+    def __init__(self, cache: KVCache, placed: list):
+        self.cache, self.placed, self.next = cache, placed, 0
+
+    def __call__(self, layer: int) -> None:
+        cache = self.cache
+        while self.next <= layer:
+            l = self.next
+            for chunk, a, b, rotation in self.placed:
+                if chunk.ready is not None:
+                    chunk.ready.wait(l)
+                cache.v[l, :, a:b] = chunk.v[l]
+                if rotation is None:
+                    cache.k[l, :, a:b] = chunk.k[l]
+                else:
+                    kernels.realign_rope_(cache.k[l, :, a:b], *rotation, src=chunk.k[l].to(cache.k.device))
+            self.next += 1
+        if self.next == cache.k.shape[0]:
+            cache.pending = None
 
 
 def _needed(layout: Layout, plan: Plan) -> list[bool]:

@@ -252,7 +252,7 @@ class Runner:
         l, rows = p.layer, p.rows
         p.kv_rows.append(rows)
         q, k, v = self._qkv(l, p.x, p.cos, p.sin)
-        ck, cv = p.cache.k[l], p.cache.v[l]  # (Hkv, capacity, hd)
+        ck, cv = p.cache.layer(l)  # (Hkv, capacity, hd)
         if l in p.deviation_layers:
             dev = kernels.deviation_scatter_(ck, rows, k), kernels.deviation_scatter_(cv, rows, v)
             p.deviations[l] = (rows, *dev)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -93,6 +94,17 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+STORE_PARTS = ("throughput", "codecs", "fidelity", "ttft", "trace", "zipf")  # `bench store`'s, in bench/store.py
+
+
+def _parts(text: str) -> list[str]:
+    parts = [x for x in text.split(",") if x]
+    unknown = set(parts) - set(STORE_PARTS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown part(s) {', '.join(sorted(unknown))}: use {', '.join(STORE_PARTS)}")
+    return parts
+
+
 def _eval_config(args, settings):
     from pathlib import Path
 
@@ -104,7 +116,8 @@ def _eval_config(args, settings):
                       a3_window=args.a3_window, blendq_ratios=args.blendq_ratios,
                       top_k=args.top_k, retrieval=args.retrieval,
                       chunk_prefill=args.chunk_prefill or settings.chunk_prefill,
-                      kv_dtype=args.kv_dtype, tier=args.tier, limit=args.limit, max_new_tokens=args.max_new_tokens)
+                      kv_dtype=args.kv_dtype, codec=settings.kv_codec, tier=args.tier, limit=args.limit,
+                      max_new_tokens=args.max_new_tokens)
 
 
 def _eval(args, settings) -> int:
@@ -117,7 +130,7 @@ def _eval(args, settings) -> int:
     write_results(results, out)
     write_results(results, latest_dir(settings.home))
     print(f"{results['model']}, {results['dataset']}: n={results['n']}, top-k {results['top_k']} "
-          f"({results['retrieval']}), chunks {results['chunk_prefill']}, {results['kv_dtype']} KV in the "
+          f"({results['retrieval']}), chunks {results['chunk_prefill']}, {results['kv_dtype']} KV ({results['codec']}) in the "
           f"{results['tier']} tier")
     print(table(results))
     print(f"wrote {args.out}/results.json, results.csv, pareto.png")
@@ -132,6 +145,14 @@ def _calibrate(args, settings) -> int:
         choice = calibrate(service, _eval_config(args, settings), args.target_kl, progress=not args.quiet)
     print(choice.line())
     return 0
+
+
+def _calibrate_codec(args, settings) -> int:
+    from .evaluation.codec_calibrate import command
+    from .service import RagCache
+
+    with RagCache(settings) as service:
+        return command(service, args)
 
 
 def _add_eval_flags(p: argparse.ArgumentParser) -> None:
@@ -196,6 +217,12 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     b.add_argument("--clients", type=_ints, default=[1, 4, 8, 16], help="serve: concurrent clients, comma-separated")
     b.add_argument("--rounds", type=_positive, default=2, help="serve: requests per client")
     b.add_argument("--new-tokens", type=_positive, default=64, help="serve: tokens decoded per request")
+    b.add_argument("--parts", type=_parts, default=list(STORE_PARTS),
+                   help=f"store: which parts, comma-separated ({','.join(STORE_PARTS)})")
+    b.add_argument("--codecs", type=lambda t: t.split(","), default=["compact"],
+                   help="store: compact codecs to measure beside raw (compact, compact-kXvY)")
+    b.add_argument("--limit", type=_positive, default=20, help="store: dev questions in the fidelity part")
+    b.add_argument("--trace", type=_floats, default=[0.8, 1.0, 1.2], help="store: Zipf exponents of the traces")
     b.set_defaults(func=_bench)
 
     i = sub.add_parser("ingest", help="add documents: a .jsonl, a MuSiQue-format .json, or a folder of .txt/.md")
@@ -238,6 +265,17 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     _add_eval_flags(cal)
     cal.add_argument("--target-kl", type=float, required=True, help="mean teacher-forced KL(full ‖ mode), nats")
     cal.set_defaults(func=_calibrate)
+
+    cc = sub.add_parser("calibrate-codec", help="measure which layers the compact KV codec gives one more bit")
+    cc.add_argument("--dataset", required=True, type=Path, help="a MuSiQue/CacheBlend-format JSON file (dev questions)")
+    cc.add_argument("--first", type=int, default=40, help="first question (keep them apart from what you report)")
+    cc.add_argument("--count", type=_positive, default=5)
+    cc.add_argument("--top-k", type=_positive, default=4, help="passages per question")
+    cc.add_argument("--k-bits", type=int, choices=[2, 3, 4], default=3)
+    cc.add_argument("--v-bits", type=int, choices=[2, 3, 4], default=3)
+    cc.add_argument("--max-bits", type=float, default=3.0, help="mean bits per element, everything counted")
+    cc.add_argument("--quiet", action="store_true")
+    cc.set_defaults(func=_calibrate_codec)
 
     if extend is not None:
         extend(sub)

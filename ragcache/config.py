@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from pydantic import ValidationInfo, field_validator
@@ -18,7 +19,10 @@ CHOICES = {
     "mode": MODES,
     "eviction": ("gdsf", "lru"),
     "write_policy": ("write-through", "write-back"),
+    "admission": ("all", "second-use"),
 }
+# the blob codecs (store/codecs.py): raw, compact (calibrated), compact-kXvY (+Ln: one more bit in layer n)
+KV_CODEC = re.compile(r"raw|compact|compact-k([234])v([234])((?:\+L\d+)*)")
 DEFAULT_SYSTEM_PROMPT = (
     "You will be asked a question after reading several passages. "
     "Answer it directly from the passages, in a few words. Do not repeat the question."
@@ -40,12 +44,16 @@ class Settings(BaseSettings):
     database_url: str | None = None  # default: a SQLite file in `home`; or postgresql+psycopg://…
     redis_url: str | None = None  # the shared remote tier, off unless set (redis://127.0.0.1:6379/0)
     kv_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16 | float16 | int8
+    kv_codec: str = "raw"  # raw (kv_dtype) | compact | compact-kXvY: how disk and Redis blobs are written
+    layerwise_load: bool = True  # compact chunk KV decodes a layer at a time beside the fused prefill
     gpu_cache_bytes: int = 8 << 30  # used only when CUDA is present
     cpu_cache_bytes: int = 2 << 30
     disk_cache_bytes: int = 64 << 30
     redis_cache_bytes: int = 4 << 30
     eviction: str = "gdsf"  # lru | gdsf
     write_policy: str = "write-through"  # write-through | write-back
+    admission: str = "all"  # all | second-use: which chunks computed at query time are written to disk and Redis
+    admission_window: int = 100_000  # second-use: a chunk's second use counts within this many distinct chunks
     orphan_grace_s: float = 60.0  # a blob put unfinished this long was cut off: swept at the next start
     share_across_namespaces: bool = False  # True: one cache entry per text for every tenant
 
@@ -86,12 +94,19 @@ class Settings(BaseSettings):
     def db_url(self) -> str:
         return self.database_url or f"sqlite:///{self.home / 'ragcache.db'}"
 
-    @field_validator(*"dtype kv_dtype chunk_prefill index_kind mode eviction write_policy".split())
+    @field_validator(*"dtype kv_dtype chunk_prefill index_kind mode eviction write_policy admission".split())
     @classmethod
     def _choice(cls, v: str, info: ValidationInfo) -> str:
         allowed = CHOICES[info.field_name]
         if v not in allowed:
             raise ValueError(f"{info.field_name} must be one of {', '.join(allowed)}")
+        return v
+
+    @field_validator("kv_codec")
+    @classmethod
+    def _codec(cls, v: str) -> str:
+        if not KV_CODEC.fullmatch(v):
+            raise ValueError("must be raw, compact or compact-kXvY (X, Y in 2..4, e.g. compact-k3v3)")
         return v
 
     @property
@@ -112,7 +127,7 @@ class Settings(BaseSettings):
     @field_validator("chunk_tokens", "precompute_batch", "top_k", "lease_seconds", "max_new_tokens", "max_queue",
                      "precompute_attempts",
                      "max_tokens_cap",
-                     "max_body_bytes", "kv_budget_bytes", "max_step_rows")
+                     "max_body_bytes", "kv_budget_bytes", "max_step_rows", "admission_window")
     @classmethod
     def _positive(cls, v: int) -> int:
         if v < 1:

@@ -18,6 +18,8 @@ from .config import Settings
 from .meta import Database
 from .store import encode as encode_kv
 from .store import kv_key, open_store
+from .store.admission import Admission
+from .store.codecs import spec_for
 
 
 class part:
@@ -82,6 +84,10 @@ class Parts:
         return open_store(self.settings, self.db)
 
     @part
+    def admission(self) -> Admission:
+        return Admission(self.settings.admission, self.settings.admission_window)
+
+    @part
     def embedder(self):
         from index import Embedder
 
@@ -108,8 +114,17 @@ class Parts:
             salt = self._salts[namespace] = self.db.namespace_salt(namespace, self.settings.share_across_namespaces)
         return kv_key(self.model.fingerprint, token_ids, self.chunk_context, self.kv_dtype, salt)
 
+    def codec_spec(self, name: str | None = None):
+        """The compact codec's widths for this model (None: raw); `name` defaults to RAGCACHE_KV_CODEC."""
+        return spec_for(name or self.settings.kv_codec, self.runner.num_layers, self.settings.home,
+                        self.model.fingerprint)
+
+    @part
+    def kv_codec(self):
+        return self.codec_spec()
+
     def store_encode(self, kv: ChunkKV):
-        return encode_kv(kv, self.kv_dtype)
+        return encode_kv(kv, self.kv_dtype, self.kv_codec, self.runner.inv_freq)
 
     def compute_chunk_kv(self, token_ids: torch.Tensor) -> ChunkKV:
         prefixed = self.settings.chunk_prefill == "prefixed"

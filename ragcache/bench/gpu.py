@@ -8,6 +8,7 @@ machine already has), never a package registry, a checkpoint or the server stack
     3. each kernel's achieved bandwidth against the H200's ~4.8 TB/s           (CUDA only)
     4. `bench blend` on a random Llama-3-8B-shaped model, bf16, 8K tokens in 16 chunks   (CUDA only)
     5. `bench serve` on it: the scheduler's steps in process, N = 1..64         (CUDA only)
+    6. the compact KV codec's decode into CUDA tensors, 8B-shaped chunk    (CUDA only; needs zstandard)
 then one summary table. On a machine without CUDA it stops after step 2 and says so.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from blend import CacheBlend, Epic, Full, Reuse, Runner, compute_chunk, compute_prefix, fuse_and_prefill
 from blend.batch import decode_batch, fuse_batch
 
+from .gpu_codec import codec_rows
 from .gpu_speed import bandwidth_rows, serve_rows
 from .random_model import LLAMA3_8B, SMALL_LLAMA, params, random_llama
 from .timing import median, table
@@ -38,11 +40,12 @@ def main() -> int:
     for dtype in (torch.float32, torch.bfloat16) if cuda else (torch.float32,):
         summary += _gates(dev, dtype)
     if not cuda:
-        for step in ("gates bfloat16 (the CPU runner computes in float32)", "kernel bandwidth", "bench blend (8B-shaped, bf16, 8K tokens)", "bench serve (N up to 64)"):
+        for step in ("gates bfloat16 (the CPU runner computes in float32)", "kernel bandwidth",
+                     "bench blend (8B-shaped, bf16, 8K tokens)", "bench serve (N up to 64)", "codec decode on CUDA"):
             summary.append([step, "not run", "CUDA required from here on"])
         print("\n" + table(summary, ["check", "result", "detail"]))
-        print("\nStopped where CUDA is required: steps 3-5 need a GPU (run `make gpu-check` on one).")
-        return 0 if all(r[1] == "pass" for r in summary[:-4]) else 1
+        print("\nStopped where CUDA is required: steps 3-6 need a GPU (run `make gpu-check` on one).")
+        return 0 if all(r[1] == "pass" for r in summary[:-5]) else 1
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.perf_counter()
     print("\nkernel bandwidth (bf16, Llama-3-8B shapes)\n" + table(*bandwidth_rows()), flush=True)
@@ -56,6 +59,9 @@ def main() -> int:
     serve_text, serve_summary = serve_rows(runner, _requests(runner, 64, 4, 512), [1, 4, 8, 16, 32, 64])
     print(serve_text, flush=True)
     summary += serve_summary
+    codec_text, codec_summary = codec_rows()
+    print(codec_text, flush=True)
+    summary += codec_summary
     print("\nSUMMARY\n" + table(summary, ["check", "result", "detail"]))
     return 0 if all(r[1] != "FAIL" for r in summary) else 1
 

@@ -1,5 +1,12 @@
-"""Store load throughput beside plain copies of the same bytes; int8 vs bfloat16; LRU vs GDSF (by
-measured prefill cost and by length) on a Zipf stream."""
+"""`ragcache bench store`, by part (--parts, all by default):
+
+    throughput  a CPU-tier and a disk-tier load beside plain copies of the same bytes
+    codecs      each codec on real chunk KV: bits per element, × smaller than bf16, encode/decode GB/s (one core)
+    fidelity    ΔKL per mode of each codec against the float32 store (`evaluate`, --limit questions, --passages)
+    ttft        TTFT from disk (page cache dropped) and Redis, decode first vs layer-wise, per codec
+    trace       admission on synthetic traces (--trace Zipf exponents): prefill saved, bytes written
+    zipf        LRU vs GDSF (by measured prefill cost and by length) in the CPU tier on a Zipf stream
+"""
 from __future__ import annotations
 
 import os
@@ -13,9 +20,9 @@ from blend import ChunkKV
 
 from ..meta import Database
 from ..store import TieredStore, decode, encode
-from ..store.codec import to_bytes
 from ..store.disk import DiskTier
 from ..store.memory import MemoryTier
+from ..evaluation.evaluate import load_dataset
 from .timing import interleaved, median, table
 
 # one 512-token SmolLM2 chunk: 30 layers × 3 KV heads × 64 dims, K and V
@@ -89,31 +96,6 @@ def _throughput(root: Path, repeats: int) -> list[list]:
     return rows
 
 
-def _int8_vs_bf16(root: Path, repeats: int) -> None:
-    chunk = _chunk(1)
-    rows = []
-    for kv_dtype in ("float32", "bfloat16", "int8"):
-        entry = encode(chunk, kv_dtype)
-        blob = to_bytes(entry)
-        path = root / f"{kv_dtype}.bin"
-        path.write_bytes(blob)
-        db = Database(f"sqlite:///{root / f'{kv_dtype}.db'}")
-        store = _store(db, root / f"kv-{kv_dtype}", 0)
-        store.put("c", entry)
-        p = next((root / f"kv-{kv_dtype}").glob("*/c.safetensors"))
-
-        def load():
-            _drop_cache(p)
-            decode(store.get("c").entry, torch.float32, torch.device("cpu"))
-
-        t = median(interleaved({"load": load}, repeats)["load"])
-        err = (decode(entry, torch.float32, torch.device("cpu")).k - chunk.k).abs().max().item()
-        rows.append([kv_dtype, len(blob) / 1e6, t * 1000, err])
-        db.dispose()
-    print("\none 512-token chunk, disk tier → float32 ChunkKV (page cache dropped)")
-    print(table(rows, ["kv_dtype", "MB", "load ms", "max |error|"]))
-
-
 def _prefill_seconds(settings, sizes: list[int], repeats: int) -> dict[int, float]:
     """Measured prefill time of a chunk of each size on the configured model (median, interleaved)."""
     from blend import Runner, compute_chunk, load_model
@@ -163,10 +145,46 @@ def _hit_rates(settings, root: Path, repeats: int, requests: int = 10_000, chunk
     print(table(rows, ["policy", "cost", "cpu hit rate", "recompute s", "prefill time saved"]))
 
 
+def _codec_parts(settings, args, root: Path, parts: set[str]) -> None:
+    from ..service import RagCache
+    from .store_codec import fidelity, print_fidelity, print_sizes, real_chunks, sizes_and_speeds
+    from .store_ttft import print_ttft, ttft
+    from .timeline import print_timeline
+
+    item = load_dataset(Path(args.dataset), None)[args.question]
+    with RagCache(settings) as service:
+        if "codecs" in parts:
+            chunks = real_chunks(service, item, max(args.passages))
+            rows = sizes_and_speeds(service, chunks, args.codecs, args.repeats)
+            print_sizes(rows, chunks, service.model)
+            measured = {r[0]: (r[1], r[4]) for r in rows if r[0] not in ("raw float32", "raw bfloat16")}
+            print_timeline({"raw bf16": (16.0, None), **measured})  # an 8B bf16 blob needs no decode
+        if "ttft" in parts:
+            rows = []
+            for n in args.passages:
+                rows += ttft(service, item, real_chunks(service, item, n), ["raw", *args.codecs], root, args.repeats)
+            print_ttft(rows, args.repeats)
+        if "fidelity" in parts:
+            print_fidelity(fidelity(service, args.dataset, args.codecs, args.passages, args.limit, root), args.limit)
+
+
 def run(settings, args) -> int:
+    parts = set(args.parts)
     with tempfile.TemporaryDirectory(dir=settings.home if settings.home.exists() else None) as tmp:
         root = Path(tmp)
-        _throughput(root, args.repeats)
-        _int8_vs_bf16(root, args.repeats)
-        _hit_rates(settings, root, args.repeats)
+        if "throughput" in parts:
+            _throughput(root, args.repeats)
+        if parts & {"codecs", "ttft", "fidelity"}:
+            _codec_parts(settings, args, root, parts)
+        if "trace" in parts:
+            from .trace import prefill_flops, report
+
+            bytes_per_token = 2 * SHAPE[0] * SHAPE[1] * SHAPE[3] * 4  # SmolLM2 float32 K and V
+            rows = report(prefill_flops, args.trace, bytes_per_token)
+            print("\nadmission of query-time misses into one blob tier (capacity a share of the trace's distinct "
+                  "chunks' bytes), a miss costing its prefill FLOPs; ratios against LRU without admission")
+            print(table(rows, ["zipf s", "capacity", "eviction", "admission", "hit rate", "prefill work saved",
+                               "GB written", "saved ÷ LRU's", "written ÷ LRU's"]))
+        if "zipf" in parts:
+            _hit_rates(settings, root, args.repeats)
     return 0

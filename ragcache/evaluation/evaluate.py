@@ -57,6 +57,7 @@ class EvalConfig:
     retrieval: str = "given"  # given | faiss
     chunk_prefill: str = "alone"  # alone | prefixed
     kv_dtype: str = "auto"
+    codec: str = "raw"  # RAGCACHE_KV_CODEC: every chunk KV goes through its encode and decode, as a disk hit would
     tier: str = "cpu"  # cpu | disk
     limit: int | None = None
     max_new_tokens: int = 24
@@ -115,6 +116,7 @@ class _Passages:
     def __init__(self, service, cfg: EvalConfig, root: Path):
         self.service, self.cfg = service, cfg
         self.kv_dtype = service.kv_dtype if cfg.kv_dtype == "auto" else cfg.kv_dtype
+        self.spec = service.codec_spec(cfg.codec)
         room = 1 << 40 if cfg.tier == "cpu" else 0
         self.store = TieredStore(Database(f"sqlite:///{root / 'eval.db'}"), [MemoryTier("cpu", "cpu", room)],
                                  [DiskTier(root / "kv", 1 << 40)])
@@ -135,7 +137,8 @@ class _Passages:
             self.token_ids[key] = ids
             if not self.store.contains(key):
                 behind = self.service.prefix if self.cfg.chunk_prefill == "prefixed" else None
-                self.store.put(key, encode_kv(compute_chunk(self.service.runner, ids, behind), self.kv_dtype))
+                kv = compute_chunk(self.service.runner, ids, behind)
+                self.store.put(key, encode_kv(kv, self.kv_dtype, self.spec, self.service.runner.inv_freq))
             keys.append(key)
         return keys
 
@@ -228,7 +231,7 @@ def evaluate(service, cfg: EvalConfig, progress: bool = True) -> dict:
     return {"model": service.model.name, "dataset": str(cfg.dataset), "n": len(per_question), "top_k": cfg.top_k,
             "retrieval": cfg.retrieval, "chunk_prefill": cfg.chunk_prefill, "tier": cfg.tier,
             "knobs": {"probe_epic_k": cfg.probe_epic_k, "a3_window": cfg.a3_window},  # the rest are in the labels
-            "kv_dtype": passages.kv_dtype, "modes": _aggregate(per_question, [m for m, _ in modes]),
+            "kv_dtype": passages.kv_dtype, "codec": cfg.codec, "modes": _aggregate(per_question, [m for m, _ in modes]),
             "per_question": per_question}
 
 

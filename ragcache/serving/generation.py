@@ -28,6 +28,7 @@ from ..corpus.ingest import same_tokenizer, unpack_ids
 from ..errors import NotFound, UserError
 from ..meta import ModelDefault
 from ..store import decode as decode_kv
+from ..store.layers import decode_layerwise
 from .sequence import Prepared, Sequence
 
 
@@ -109,15 +110,25 @@ class Generation:
         p = self.p
         keys = [p.kv_key_of(ids, namespace) for ids in token_ids]
         hits = p.store.get_many(keys)
+        compact = [i for i, hit in enumerate(hits) if hit is not None and hit.entry.frames is not None]
+        streamed = {}  # chunk index → its ChunkKV, layers decoding on another thread as the prefill runs
+        if p.settings.layerwise_load and compact:
+            streamed = dict(zip(compact, decode_layerwise([hits[i].entry for i in compact], p.model.dtype,
+                                                          p.model.device)))
         chunks, tiers = [], []
-        for ids, key, hit in zip(token_ids, keys, hits):
+        for i, (ids, key, hit) in enumerate(zip(token_ids, keys, hits)):
             if hit is not None:
-                chunks.append(decode_kv(hit.entry, p.model.dtype, p.model.device))
+                if p.admission.on_hit(key):  # declined once, used again: worth its write now
+                    p.store.put(key, hit.entry, best_effort=True)
+                chunks.append(streamed[i] if i in streamed else decode_kv(hit.entry, p.model.dtype, p.model.device))
                 tiers.append(hit.tier)
                 continue
             kv, stored = p.prefill_for_store(ids)
             self.totals.chunks["prefilled"] += 1
-            p.store.put(key, stored, best_effort=True)  # a full or failing tier: served anyway
+            if p.admission.on_miss(key):
+                p.store.put(key, stored, best_effort=True)  # a full or failing tier: served anyway
+            else:
+                p.store.keep(key, stored)
             chunks.append(kv)
             tiers.append("computed")
         return chunks, tiers

@@ -2,7 +2,9 @@
 
     gpu (CUDA only) → cpu → disk (RAGCACHE_HOME/kv) → redis (when RAGCACHE_REDIS_URL is set)
 
-Layers never import upward: tiers know bytes or tensors, `tiered.py` knows tiers and SQL.
+Layers never import upward: tiers know bytes or tensors, `tiered.py` knows tiers and SQL. Blobs are
+written by a codec (codec.py: raw, or compact.py's, chosen in codecs.py); compact hits decode a layer at a
+time beside the prefill (layers.py); admission.py decides which query-time misses are written.
 
 May import: config, errors, meta (and blend).
 """

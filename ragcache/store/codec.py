@@ -1,8 +1,11 @@
-"""Chunk KV ⇄ stored form: storage dtype (float32/bfloat16/float16/int8), bytes, checksum, key.
+"""Chunk KV ⇄ stored form: a codec (`raw` in a storage dtype, or `compact`), bytes, checksum, key.
 
-int8 is symmetric with one float32 scale per (layer, head, token): |x − x̂| ≤ max|row| / 254.
-The byte form is a safetensors blob; its xxh3-128 checksum lives in its copy's SQL row and is
-checked on every load from disk or Redis.
+raw: float32/bfloat16/float16, or int8 symmetric with one float32 scale per (layer, head, token):
+|x − x̂| ≤ max|row| / 254. compact (compact.py): 2–4 bits per element before zstd, a frame per layer
+and tensor. The byte form is a safetensors blob that records its codec (blobs written before codecs
+existed have none: raw), so a store may hold both. Its xxh3-128 checksum lives in its copy's SQL row
+and is checked on every load: over the whole blob (raw), or over its head (compact), which holds
+each frame's own xxh3-64, so a frame is checked before it is used, even alone.
 """
 from __future__ import annotations
 
@@ -10,10 +13,14 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import xxhash
 
 from blend import ChunkKV, kernels
+from blend.rope import delta_cos_sin
+
+from .compact import Decoder, Spec, encode_frames
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 FORMAT = "ragcache-kv/1"
@@ -34,12 +41,20 @@ class StoredKV:
     context: str
     kv_dtype: str
     cost_s: float | None = None  # measured prefill (+ encode) seconds: what evicting it costs; not in the blob
+    codec: str = "raw"  # or the compact variant's name: then k, v are None and `frames` hold them
+    frames: list | None = None  # compact: 2·L frames (bytes or memoryviews): K of layer 0, V of layer 0, …
+    shape: tuple[int, ...] | None = None  # compact: (L, Hkv, n, hd)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.token_ids, self.k, self.v, self.k_scale, self.v_scale) if t is not None)
+        frames = sum(len(f) for f in self.frames) if self.frames is not None else 0
+        return frames + sum(t.nbytes for t in (self.token_ids, self.k, self.v, self.k_scale, self.v_scale)
+                            if t is not None)
 
     def to(self, device: torch.device | str, pin: bool = False) -> "StoredKV":
+        if self.frames is not None:  # compact bytes stay in host memory, decoded on each use
+            return self
+
         def move(t):
             if t is None:
                 return None
@@ -68,10 +83,24 @@ def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def encode(chunk: ChunkKV, kv_dtype: str) -> StoredKV:
+def rotate_k(k: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """k (L, Hkv, n, hd) float32 rotated by delta (n,) positions, into a new tensor."""
+    cos, sin = delta_cos_sin(delta, inv_freq)
+    out = torch.empty_like(k)
+    kernels.realign_rope_(out.flatten(0, 1), cos, sin, src=k.flatten(0, 1))
+    return out
+
+
+def encode(chunk: ChunkKV, kv_dtype: str, spec: Spec | None = None, inv_freq: torch.Tensor | None = None) -> StoredKV:
+    """The stored form: raw in `kv_dtype`, or compact with `spec` (K un-rotated with `inv_freq` first)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}")
     k, v = chunk.k.detach().cpu(), chunk.v.detach().cpu()
+    if spec is not None:
+        n = chunk.token_ids.shape[0]
+        k = rotate_k(k.float(), -torch.arange(chunk.start, chunk.start + n), inv_freq)  # back to before RoPE
+        return StoredKV(chunk.token_ids.cpu(), None, None, None, None, chunk.start, chunk.context, kv_dtype,
+                        codec=spec.name, frames=encode_frames(k, v, spec), shape=tuple(k.shape))
     if kv_dtype == "int8":
         (qk, sk), (qv, sv) = _quantize(k), _quantize(v)
         return StoredKV(chunk.token_ids.cpu(), qk, qv, sk, sv, chunk.start, chunk.context, kv_dtype)
@@ -82,7 +111,15 @@ def encode(chunk: ChunkKV, kv_dtype: str) -> StoredKV:
 
 def decode(entry: StoredKV, dtype: torch.dtype, device: torch.device) -> ChunkKV:
     """Back to the runner's dtype and device (int8 dequantized by a kernel on CUDA); `lossless` only when
-    the stored tensors were already in that dtype."""
+    the stored tensors were already in that dtype. A compact entry's K comes back before RoPE."""
+    if entry.frames is not None:
+        k, v = torch.empty(entry.shape), torch.empty(entry.shape)  # (L, Hkv, n, hd) float32
+        decoder = Decoder()
+        for l in range(entry.shape[0]):
+            decode_layer(decoder, entry, l, k[l], v[l])
+        return ChunkKV(entry.token_ids.cpu(), k.to(device, dtype), v.to(device, dtype), entry.start, entry.context,
+                       lossless=False, k_pre_rope=True)
+
     def restore(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         x = x.to(device, non_blocking=True)
         if scale is None:
@@ -95,17 +132,34 @@ def decode(entry: StoredKV, dtype: torch.dtype, device: torch.device) -> ChunkKV
                    entry.start, entry.context, lossless)
 
 
-_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8", torch.int64: "I64"}
+def decode_layer(decoder: Decoder, entry: StoredKV, l: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+    """Layer l of a compact entry into k_out (pre-RoPE), v_out (Hkv, n, hd) float32; a bad frame is CorruptBlob."""
+    try:
+        decoder.layer(entry.frames[2 * l], entry.frames[2 * l + 1], k_out, v_out)
+    except Exception as e:  # noqa: BLE001 — zstd's or ours: the frame is unusable
+        raise CorruptBlob(f"layer {l} of a compact KV blob does not decode: {e}") from None
+
+
+_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8", torch.int64: "I64",
+          torch.uint8: "U8"}
 _DTYPES = {v: k for k, v in _CODES.items()}
 
 
 def to_bytes(entry: StoredKV) -> bytes:
-    """The safetensors format, written directly: one copy of the tensor bytes, no more."""
-    tensors = {"token_ids": entry.token_ids, "k": entry.k, "v": entry.v}
-    if entry.k_scale is not None:
-        tensors.update(k_scale=entry.k_scale, v_scale=entry.v_scale)
-    header: dict = {"__metadata__": {"format": FORMAT, "start": str(entry.start), "context": entry.context,
-                                     "kv_dtype": entry.kv_dtype}}
+    """The safetensors format, written directly: one copy of the tensor bytes, no more. A compact
+    entry's frames are one U8 tensor, last, their ends and xxh3-64 sums in the header."""
+    meta = {"format": FORMAT, "start": str(entry.start), "context": entry.context, "kv_dtype": entry.kv_dtype}
+    if entry.frames is not None:
+        ends = np.cumsum([len(f) for f in entry.frames]).tolist()
+        meta.update(codec=entry.codec, shape=json.dumps(entry.shape), frame_ends=json.dumps(ends),
+                    frame_sums=json.dumps([xxhash.xxh3_64_hexdigest(f) for f in entry.frames]))
+        tensors = {"token_ids": entry.token_ids,
+                   "frames": torch.frombuffer(bytearray(b"".join(entry.frames)), dtype=torch.uint8)}
+    else:
+        tensors = {"token_ids": entry.token_ids, "k": entry.k, "v": entry.v}
+        if entry.k_scale is not None:
+            tensors.update(k_scale=entry.k_scale, v_scale=entry.v_scale)
+    header: dict = {"__metadata__": meta}
     buffers, offset = [], 0
     for name, t in tensors.items():
         raw = t.detach().contiguous().cpu().view(torch.uint8).numpy()  # a view, not a copy
@@ -117,17 +171,33 @@ def to_bytes(entry: StoredKV) -> bytes:
     return b"".join([len(head).to_bytes(8, "little"), head, *buffers])
 
 
+def _header(blob) -> tuple[dict, dict, int]:
+    """(tensor infos, metadata, where the tensor bytes start)."""
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(bytes(blob[8 : 8 + n]))
+    meta = header.pop("__metadata__")
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"unknown format {meta.get('format')!r}")
+    return header, meta, 8 + n
+
+
+def head_length(blob) -> int:
+    """Bytes the SQL checksum covers: the whole blob (raw), or up to a compact blob's frames."""
+    try:
+        header, meta, base = _header(blob[:8 + int.from_bytes(blob[:8], "little")])
+        return base + header["frames"]["data_offsets"][0] if "codec" in meta else len(blob)
+    except Exception:  # noqa: BLE001 — unparsable: the whole blob, whose sum will not match
+        return len(blob)
+
+
 def from_bytes(blob: bytes | bytearray) -> StoredKV:
-    """Parse without copying: tensors are views of `blob` (pass a bytearray to get writable ones)."""
+    """Parse without copying: tensors (and compact frames) are views of `blob` (pass a bytearray to get
+    writable ones). Every compact frame is checked against its sum in the header."""
     if isinstance(blob, bytes):
         blob = bytearray(blob)  # torch wants writable memory
     try:
-        n = int.from_bytes(blob[:8], "little")
-        header = json.loads(bytes(blob[8 : 8 + n]))
-        meta = header.pop("__metadata__")
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"unknown format {meta.get('format')!r}")
-        base, t = 8 + n, {}
+        header, meta, base = _header(blob)
+        t = {}
         for name, info in header.items():
             a, b = info["data_offsets"]
             if base + b > len(blob):
@@ -135,11 +205,25 @@ def from_bytes(blob: bytes | bytearray) -> StoredKV:
             dtype = _DTYPES[info["dtype"]]
             count = (b - a) // torch.empty(0, dtype=dtype).element_size()
             t[name] = torch.frombuffer(blob, dtype=dtype, count=count, offset=base + a).view(info["shape"])
-        return StoredKV(t["token_ids"], t["k"], t["v"], t.get("k_scale"), t.get("v_scale"), int(meta["start"]),
-                        meta["context"], meta["kv_dtype"])
+        common = (int(meta["start"]), meta["context"], meta["kv_dtype"])
+        if "codec" not in meta:
+            return StoredKV(t["token_ids"], t["k"], t["v"], t.get("k_scale"), t.get("v_scale"), *common)
+        frames = split_frames(memoryview(blob)[base + header["frames"]["data_offsets"][0]:], meta)
+        return StoredKV(t["token_ids"], None, None, None, None, *common, codec=meta["codec"], frames=frames,
+                        shape=tuple(json.loads(meta["shape"])))
     except Exception as e:  # any parse failure is corruption
         raise CorruptBlob(f"unreadable KV blob: {e}") from None
 
 
+def split_frames(data: memoryview, meta: dict) -> list[memoryview]:
+    """A compact blob's frame bytes → its frames, each checked against its xxh3-64 (ValueError if bad)."""
+    ends, sums = json.loads(meta["frame_ends"]), json.loads(meta["frame_sums"])
+    frames = [data[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+    for i, (frame, want) in enumerate(zip(frames, sums)):
+        if xxhash.xxh3_64_hexdigest(frame) != want:
+            raise ValueError(f"frame {i} fails its checksum")
+    return frames
+
+
 def checksum(blob: bytes) -> str:
-    return xxhash.xxh3_128_hexdigest(blob)
+    return xxhash.xxh3_128_hexdigest(memoryview(blob)[: head_length(blob)])

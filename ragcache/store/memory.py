@@ -19,7 +19,7 @@ class MemoryTier:
         self._lock = threading.Lock()
 
     def put(self, key: str, value: StoredKV) -> None:
-        value = value.to(self.device, pin=self.pin) if value.k.device != self.device or self.pin else value
+        value = value.to(self.device, pin=self.pin) if value.k is not None and (value.k.device != self.device or self.pin) else value
         with self._lock:
             old = self._entries.pop(key, None)
             self._used += value.nbytes - (old.nbytes if old is not None else 0)

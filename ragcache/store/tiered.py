@@ -104,6 +104,10 @@ class TieredStore:
             self._persist(key, entry)  # no memory tier took it: write back now or lose it
         return True
 
+    def keep(self, key: str, entry: StoredKV) -> None:
+        """In the memory tiers only (admission.py declined the blob tiers): once evicted, it is gone."""
+        self.ladder.admit(key, entry)
+
     def _persist(self, key: str, entry: StoredKV) -> None:
         """Into every blob tier that works: bytes reserved, blob written, then its checksum committed."""
         blob = to_bytes(entry)

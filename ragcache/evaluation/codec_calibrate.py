@@ -1,0 +1,106 @@
+"""`ragcache calibrate-codec`: which layers the `compact` codec gives one more bit, measured once per model.
+
+Each layer's sensitivity is measured alone: that layer's KV through the codec at the base widths, every
+other layer exact, on real chunks of the given dev questions; its cost is the rise of the teacher-forced
+KL against full prefill in reuse mode (the mode that trusts stored KV most) over the exact store's. The
+most sensitive layers get one more bit for K and V, as many as keep the mean under `max_bits` per
+element (every scale, sum and header counted, on those chunks). The widths are stored per model in
+RAGCACHE_HOME/codec/ (store/codecs.py), where `RAGCACHE_KV_CODEC=compact` finds them.
+"""
+from __future__ import annotations
+
+import torch
+
+from blend import ChunkKV, Full, Reuse, compute_chunk
+from blend.prompt import as_ids, encode as tokenize
+
+from ..store import decode, encode
+from ..store.codec import rotate_k, to_bytes
+from ..store.codecs import save_calibration
+from ..store.compact import Spec
+from .evaluate import EvalConfig, _run_mode, load_dataset
+from .scores import kl
+
+
+class _Given:
+    """The chunk KVs of one measurement, in the shape `_run_mode` loads them."""
+
+    def __init__(self, chunks: list[ChunkKV]):
+        self.chunks = chunks
+        self.token_ids = {i: c.token_ids for i, c in enumerate(chunks)}
+
+    def load(self, keys):
+        return self.chunks
+
+
+def _mixed(exact: ChunkKV, k_pre: torch.Tensor, coded: ChunkKV, layer: int | None) -> ChunkKV:
+    """The chunk with K before RoPE, exact in every layer but `layer`, which is the codec's."""
+    k, v = k_pre.clone(), exact.v.clone()
+    if layer is not None:
+        k[layer], v[layer] = coded.k[layer], coded.v[layer]
+    return ChunkKV(exact.token_ids, k, v, exact.start, exact.context, lossless=False, k_pre_rope=True)
+
+
+def _kl_tf(service, chunks, suffix, cfg, full) -> float:
+    out = _run_mode(service, _Given(chunks), list(range(len(chunks))), suffix, Reuse(), cfg,
+                    reference=full["answer_ids"])
+    m = min(len(full["tf"]), len(out["tf"]))
+    return float(kl(full["tf"][:m], out["tf"][:m]).mean())
+
+
+def calibrate_codec(service, dataset, first: int, count: int, top_k: int, base: tuple[int, int],
+                    max_bits: float, progress=print) -> tuple[Spec, dict]:
+    runner = service.runner
+    layers = runner.num_layers
+    base_spec = Spec.uniform("compact", layers, *base)
+    boosted = Spec.uniform("compact", layers, min(4, base[0] + 1), min(4, base[1] + 1))
+    cfg = EvalConfig(dataset, top_k=top_k, max_new_tokens=16)
+    rise, elements = torch.zeros(layers), 0
+    layer_bytes = {w: torch.zeros(layers) for w in ("base", "boosted")}
+    overhead = 0
+    items = load_dataset(dataset, None)[first : first + count]
+    for n, item in enumerate(items):
+        chunks = [compute_chunk(runner, as_ids(tokenize(service.tokenizer, c["text"] + "\n\n")), service.prefix)
+                  for c in item["ctxs"][:top_k]]
+        suffix = as_ids(tokenize(service.tokenizer, "Question: " + item["question"]) + service.frame.tail)
+        full = _run_mode(service, _Given(chunks), list(range(len(chunks))), suffix, Full(), cfg)
+        coded, pre = [], []
+        for c in chunks:
+            entry = encode(c, "float32", base_spec, runner.inv_freq)
+            coded.append(decode(entry, torch.float32, torch.device("cpu")))
+            pre.append(rotate_k(c.k, -torch.arange(c.start, c.start + len(c)), runner.inv_freq))
+            up = encode(c, "float32", boosted, runner.inv_freq)
+            for w, e in (("base", entry), ("boosted", up)):
+                layer_bytes[w] += torch.tensor([len(e.frames[2 * l]) + len(e.frames[2 * l + 1]) for l in range(layers)],
+                                               dtype=torch.float32)
+            overhead += len(to_bytes(entry)) - sum(len(f) for f in entry.frames)
+            elements += 2 * c.k.numel()
+        exact = _kl_tf(service, [_mixed(c, p, d, None) for c, p, d in zip(chunks, pre, coded)], suffix, cfg, full)
+        for l in range(layers):
+            rise[l] += _kl_tf(service, [_mixed(c, p, d, l) for c, p, d in zip(chunks, pre, coded)], suffix, cfg,
+                              full) - exact
+        progress(f"question {first + n}: done")
+    rise /= len(items)
+    order = sorted(range(layers), key=lambda l: -float(rise[l]))
+    chosen: list[int] = []
+    bits = lambda boost: 8 * (overhead + sum(float(layer_bytes["boosted" if l in boost else "base"][l])  # noqa: E731
+                                             for l in range(layers))) / elements
+    for l in order:
+        if bits({*chosen, l}) <= max_bits:
+            chosen.append(l)
+    spec = Spec.uniform("compact", layers, *base, boost=tuple(chosen))
+    report = {"base": list(base), "boosted_layers": sorted(chosen), "bits_per_element": bits(set(chosen)),
+              "kl_rise_per_layer": [round(float(x), 6) for x in rise], "questions": [first, first + len(items)],
+              "dataset": str(dataset), "top_k": top_k}
+    save_calibration(service.settings.home, service.model.fingerprint, spec, report)
+    return spec, report
+
+
+def command(service, args) -> int:
+    """`ragcache calibrate-codec`: measure, store, and say what `compact` now is."""
+    _, report = calibrate_codec(service, args.dataset, args.first, args.count, args.top_k, (args.k_bits, args.v_bits),
+                                args.max_bits, progress=(lambda _: None) if args.quiet else print)
+    print(f"compact for this model: K {args.k_bits} and V {args.v_bits} bits, one more in layers "
+          f"{report['boosted_layers']}: {report['bits_per_element']:.2f} bits per element on the dev chunks; "
+          "RAGCACHE_KV_CODEC=compact uses it")
+    return 0

@@ -1,0 +1,50 @@
+"""Which codec a deployment writes (RAGCACHE_KV_CODEC), by name:
+
+    raw            today's blobs, in RAGCACHE_KV_DTYPE (lossless at float32)
+    compact        this model's calibrated bit widths (`ragcache calibrate-codec`), else DEFAULT
+    compact-kXvY   X bits for K and Y for V in every layer (2..4), e.g. compact-k3v3; `+L0` one more bit
+                   in layer 0 (compact-k3v3+L0)
+
+Decoding never needs the name: a compact blob carries its frames' scales and the encoder's widths.
+The calibration of a model is a small JSON file in RAGCACHE_HOME/codec/, written once on dev data.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ..config import KV_CODEC
+from .compact import Spec
+
+DEFAULT = "compact-k3v3"  # what `compact` is for a model that was never calibrated
+
+
+def calibration_path(home: Path, fingerprint: str) -> Path:
+    return home / "codec" / f"{fingerprint}.json"
+
+
+def spec_for(name: str, num_layers: int, home: Path, fingerprint: str) -> Spec | None:
+    """The encoder's widths for codec `name` on this model; None for raw."""
+    if name == "raw":
+        return None
+    if name == "compact":
+        path = calibration_path(home, fingerprint)
+        if path.exists():
+            cal = json.loads(path.read_text())
+            return Spec("compact", tuple(cal["k_bits"]), tuple(cal["v_bits"]))
+        return spec_for(DEFAULT, num_layers, home, fingerprint)
+    m = KV_CODEC.fullmatch(name)
+    if m is None or m.group(1) is None:
+        raise ValueError(f"unknown KV codec {name!r}: raw, compact or compact-kXvY (X, Y in 2..4)")
+    boost = tuple(int(x) for x in re.findall(r"\+L(\d+)", m.group(3)))
+    return Spec.uniform(name, num_layers, int(m.group(1)), int(m.group(2)), boost)
+
+
+def save_calibration(home: Path, fingerprint: str, spec: Spec, report: dict) -> Path:
+    path = calibration_path(home, fingerprint)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"k_bits": list(spec.k_bits), "v_bits": list(spec.v_bits), **report}, indent=1))
+    tmp.replace(path)
+    return path
