@@ -19,7 +19,7 @@ import torch
 from . import kernels
 from .cache import KVCache
 from .fuse import FusedResult, finish_fused, stage
-from .runner import Check, RowFilter, Runner, Selected, write_rows
+from .runner import Check, RowFilter, Runner, Selected
 
 
 @dataclass
@@ -85,16 +85,15 @@ def _attention(runner: Runner, items: list[Rows], l: int, q: torch.Tensor, rows:
     if plain:
         idx = (slice(None) if len(plain) == len(items)
                else torch.cat([torch.arange(cu[i], cu[i + 1], device=q.device) for i in plain]))
-        attn[idx] = kernels.varlen_attention(q[idx], [items[i].cache.k[l][:, : ends[i]] for i in plain],
-                                             [items[i].cache.v[l][:, : ends[i]] for i in plain],
-                                             torch.cat([rows[i] for i in plain]),
+        k, v, *scales = zip(*(items[i].cache.layer(l, ends[i]) for i in plain))  # per sequence: K, V (and scales)
+        attn[idx] = kernels.varlen_attention(q[idx], list(k), list(v), torch.cat([rows[i] for i in plain]),
                                              list(accumulate((cu[i + 1] - cu[i] for i in plain), initial=0)),
-                                             runner.scale, [plans[i] for i in plain])
+                                             runner.scale, [plans[i] for i in plain], list(zip(*scales)) or None)
     for i, it in enumerate(items):
         if it.cache.reweight is not None:
-            a, b, e = cu[i], cu[i + 1], ends[i]
-            attn[a:b] = it.cache.reweight.attention(l, kv_rows[i][-1], q[a:b], it.cache.k[l][:, :e],
-                                                    it.cache.v[l][:, :e], rows[i], runner.scale, plans[i])
+            a, b = cu[i], cu[i + 1]
+            attn[a:b] = it.cache.reweight.attention(l, kv_rows[i][-1], q[a:b], *it.cache.float_layer(l, ends[i], q.dtype),
+                                                    rows[i], runner.scale, plans[i])
     return attn
 
 
@@ -103,12 +102,12 @@ def _write(runner: Runner, it: Rows, l: int, rows: torch.Tensor, q: torch.Tensor
     """Write one item's new K/V (n, Hkv, hd) at layer l; at a deviation layer, the indices its filter keeps
     (None: all rows go on), as `Runner.forward_selected` does. q (n, H, hd): the rows' queries."""
     ck, cv = it.cache.k[l], it.cache.v[l]  # (Hkv, capacity, hd)
-    if l in it.deviation_layers:
+    if l in it.deviation_layers:  # a fused prefill's: its cache is at the model's dtype
         dev = kernels.deviation_scatter_(ck, rows, k), kernels.deviation_scatter_(cv, rows, v)
         deviations[l] = (rows, *dev)
         keep = it.row_filter(Check(l, rows, *dev, q, ck, runner.scale)) if it.row_filter is not None else None
         return keep if keep is not None and keep.shape[0] != rows.shape[0] else None
-    write_rows(ck, cv, rows, k, v, int(rows[0]), int(rows[-1]) + 1)
+    it.cache.write(l, rows, k, v, int(rows[0]), int(rows[-1]) + 1)
     return None
 
 

@@ -153,8 +153,16 @@ class Runner:
     def release(self, cache: KVCache) -> None:
         """Hand a cache back for reuse; the caller must not touch it (or views of it) afterwards."""
         with self._spare_lock:
-            if len(self._spare) < 2:
+            if len(self._spare) < 2 and cache.dtype == self.dtype:  # a compact one is never a working cache
                 self._spare.append(KVCache(cache.k, cache.v, 0))
+
+    def compact(self, cache: KVCache, dtype: torch.dtype) -> KVCache:
+        """A fused cache as a running sequence keeps it, at `dtype` (`KVCache.compact`); a working cache
+        left behind goes back for reuse."""
+        kept = cache.compact(dtype)
+        if kept is not cache:
+            self.release(cache)
+        return kept
 
     # ---- the transformer block -------------------------------------------------------------
 
@@ -253,7 +261,7 @@ class Runner:
         p.kv_rows.append(rows)
         q, k, v = self._qkv(l, p.x, p.cos, p.sin)
         ck, cv = p.cache.k[l], p.cache.v[l]  # (Hkv, capacity, hd)
-        if l in p.deviation_layers:
+        if l in p.deviation_layers:  # a fused prefill's: its cache is at the model's dtype
             dev = kernels.deviation_scatter_(ck, rows, k), kernels.deviation_scatter_(cv, rows, v)
             p.deviations[l] = (rows, *dev)
             keep = None if p.row_filter is None else p.row_filter(Check(l, rows, *dev, q, ck, self.scale))
@@ -261,13 +269,14 @@ class Runner:
                 p.rows, p.x, q, p.cos, p.sin = rows[keep], p.x[keep], q[keep], p.cos[keep], p.sin[keep]
                 p.plan, p.first, p.end = kernels.attention_plan(p.rows), int(p.rows[0]), int(p.rows[-1]) + 1
         else:
-            write_rows(ck, cv, rows, k, v, p.first, p.end)
+            p.cache.write(l, rows, k, v, p.first, p.end)
         p.out_rows.append(p.rows)
-        end = p.end
         if p.cache.reweight is None:
-            attn = kernels.selected_attention(q, ck[:, :end], cv[:, :end], p.rows, self.scale, p.plan)
+            k, v, *scales = p.cache.layer(l, p.end)
+            attn = kernels.selected_attention(q, k, v, p.rows, self.scale, p.plan, scales)
         else:  # APE (blend/reweight.py)
-            attn = p.cache.reweight.attention(l, rows, q, ck[:, :end], cv[:, :end], p.rows, self.scale, p.plan)
+            k, v = p.cache.float_layer(l, p.end, q.dtype)
+            attn = p.cache.reweight.attention(l, rows, q, k, v, p.rows, self.scale, p.plan)
         p.x = self._finish(l, p.x, attn)
         p.layer += 1
 
@@ -280,18 +289,6 @@ class Runner:
     def _check_positions(self, pos: torch.Tensor) -> None:
         if pos.numel() and int(pos.max()) >= self.max_positions:
             raise ValueError(f"position {int(pos.max())} exceeds the model's limit of {self.max_positions}")
-
-
-def write_rows(ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               first: int, end: int) -> None:
-    """New K/V (n, Hkv, hd) of `rows` (ascending, from `first` to `end` - 1) into one layer's cache
-    (Hkv, capacity, hd): a plain slice write when the rows are contiguous."""
-    if end - first == rows.shape[0]:
-        ck[:, first:end] = k.transpose(0, 1)
-        cv[:, first:end] = v.transpose(0, 1)
-    else:
-        ck.index_copy_(1, rows, k.transpose(0, 1))
-        cv.index_copy_(1, rows, v.transpose(0, 1))
 
 
 def _max_positions(cfg) -> int:

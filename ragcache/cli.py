@@ -118,7 +118,7 @@ def _eval(args, settings) -> int:
     write_results(results, latest_dir(settings.home))
     print(f"{results['model']}, {results['dataset']}: n={results['n']}, top-k {results['top_k']} "
           f"({results['retrieval']}), chunks {results['chunk_prefill']}, {results['kv_dtype']} KV in the "
-          f"{results['tier']} tier")
+          f"{results['tier']} tier; running sequences keep {results['kv_cache_dtype']} KV")
     print(table(results))
     print(f"wrote {args.out}/results.json, results.csv, pareto.png")
     return 0

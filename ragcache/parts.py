@@ -99,6 +99,12 @@ class Parts:
         return str(self.model.dtype).removeprefix("torch.") if d == "auto" else d
 
     @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """What a running sequence keeps its fused KV in (RAGCACHE_KV_CACHE_DTYPE)."""
+        d = self.settings.kv_cache_dtype
+        return self.model.dtype if d == "auto" else getattr(torch, d)
+
+    @property
     def chunk_context(self) -> str:
         return self.prefix.key if self.settings.chunk_prefill == "prefixed" else ALONE
 
