@@ -19,6 +19,7 @@ import torch
 from . import kernels
 from .cache import KVCache
 from .fuse import FusedResult, finish_fused, stage
+from .linear import Weights
 from .runner import Check, RowFilter, Runner, Selected
 
 
@@ -34,8 +35,10 @@ class Rows:
 
 
 @torch.inference_mode()
-def forward_batch(runner: Runner, items: list[Rows]) -> list[Selected]:
-    """`runner.forward_selected` of every item, in one pass; each item's logits are its last row's."""
+def forward_batch(runner: Runner, items: list[Rows], ws: Weights | None = None) -> list[Selected]:
+    """`runner.forward_selected` of every item, in one pass; each item's logits are its last row's.
+    `ws`: the matrices to multiply by (default the runner's prefill ones, `runner.w`)."""
+    ws = ws or runner.w
     dev = runner.device
     rows = [it.rows.to(dev) for it in items]
     for it, r in zip(items, rows):
@@ -49,7 +52,7 @@ def forward_batch(runner: Runner, items: list[Rows]) -> list[Selected]:
     out_rows: list[list[torch.Tensor]] = [[] for _ in items]
     deviations: list[dict] = [{} for _ in items]
     for l in range(runner.num_layers):
-        q, k, v = runner._qkv(l, x, cos, sin)  # (N, H, hd), (N, Hkv, hd) ×2
+        q, k, v = runner._qkv(ws, l, x, cos, sin)  # (N, H, hd), (N, Hkv, hd) ×2
         keep, offset, shrunk = [], 0, False
         for i, it in enumerate(items):
             n = rows[i].shape[0]
@@ -70,9 +73,9 @@ def forward_batch(runner: Runner, items: list[Rows]) -> list[Selected]:
         for r in rows:
             cu.append(cu[-1] + r.shape[0])
         ends = [int(r[-1]) + 1 for r in rows]
-        x = runner._finish(l, x, _attention(runner, items, l, q, rows, cu, ends, plans, kv_rows))
+        x = runner._finish(ws, l, x, _attention(runner, items, l, q, rows, cu, ends, plans, kv_rows))
     last = torch.tensor([c - 1 for c in cu[1:]], device=dev)
-    logits = runner._logits(x[last])  # (B, V)
+    logits = runner._logits(ws, x[last])  # (B, V)
     return [Selected(logits[i], kv_rows[i], out_rows[i], deviations[i]) for i in range(len(items))]
 
 
@@ -92,8 +95,8 @@ def _attention(runner: Runner, items: list[Rows], l: int, q: torch.Tensor, rows:
     for i, it in enumerate(items):
         if it.cache.reweight is not None:
             a, b = cu[i], cu[i + 1]
-            attn[a:b] = it.cache.reweight.attention(l, kv_rows[i][-1], q[a:b], *it.cache.float_layer(l, ends[i], q.dtype),
-                                                    rows[i], runner.scale, plans[i])
+            k, v = it.cache.float_layer(l, ends[i], q.dtype)
+            attn[a:b] = it.cache.reweight.attention(l, kv_rows[i][-1], q[a:b], k, v, rows[i], runner.scale, plans[i])
     return attn
 
 
@@ -112,9 +115,10 @@ def _write(runner: Runner, it: Rows, l: int, rows: torch.Tensor, q: torch.Tensor
 
 
 def decode_batch(runner: Runner, caches: list[KVCache], tokens: list[int]) -> torch.Tensor:
-    """One decode step of B sequences: token b goes at the end of cache b → next logits (B, V) float32."""
+    """One decode step of B sequences: token b goes at the end of cache b → next logits (B, V) float32,
+    through the runner's decode weights (`RAGCACHE_DECODE_WEIGHTS`)."""
     items = [Rows(c, torch.tensor([t]), torch.tensor([c.length])) for c, t in zip(caches, tokens)]
-    return torch.stack([s.logits for s in forward_batch(runner, items)])
+    return torch.stack([s.logits for s in forward_batch(runner, items, runner.decode_w)])
 
 
 def fuse_batch(runner: Runner, requests: list[tuple]) -> list[FusedResult]:

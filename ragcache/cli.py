@@ -181,7 +181,7 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks whose output goes into BENCHMARKS.md")
     b.add_argument("what", choices=["load", "prefill", "blend", "store", "precompute", "retrieval", "coverage",
-                                    "http", "serve"])
+                                    "http", "serve", "decode"])
     b.add_argument("--tokens", type=_positive, default=2048, help="prefill: input length")
     b.add_argument("--repeats", type=_positive, default=5)
     b.add_argument("--dataset", default="demo/data/musique_dev.json",
@@ -195,7 +195,10 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     b.add_argument("--seconds", type=_positive, default=60, help="http: how long the load runs")
     b.add_argument("--clients", type=_ints, default=[1, 4, 8, 16], help="serve: concurrent clients, comma-separated")
     b.add_argument("--rounds", type=_positive, default=2, help="serve: requests per client")
-    b.add_argument("--new-tokens", type=_positive, default=64, help="serve: tokens decoded per request")
+    b.add_argument("--new-tokens", type=_positive, default=64, help="serve: tokens decoded per request; decode: "
+                   "greedy answer length")
+    b.add_argument("--limit", type=_positive, default=20, help="decode: dev questions whose greedy answers compare")
+    b.add_argument("--llama-bench", default=None, help="decode: llama.cpp's llama-bench (default: the one on PATH)")
     b.set_defaults(func=_bench)
 
     i = sub.add_parser("ingest", help="add documents: a .jsonl, a MuSiQue-format .json, or a folder of .txt/.md")

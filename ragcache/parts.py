@@ -58,7 +58,7 @@ class Parts:
 
     @part
     def runner(self) -> Runner:
-        return Runner(self.model)
+        return Runner(self.model, self.settings.decode_weights)
 
     @part
     def tokenizer(self):

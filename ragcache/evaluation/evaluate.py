@@ -230,7 +230,8 @@ def evaluate(service, cfg: EvalConfig, progress: bool = True) -> dict:
     return {"model": service.model.name, "dataset": str(cfg.dataset), "n": len(per_question), "top_k": cfg.top_k,
             "retrieval": cfg.retrieval, "chunk_prefill": cfg.chunk_prefill, "tier": cfg.tier,
             "knobs": {"probe_epic_k": cfg.probe_epic_k, "a3_window": cfg.a3_window},  # the rest are in the labels
-            "kv_dtype": passages.kv_dtype, "kv_cache_dtype": str(service.kv_cache_dtype).removeprefix("torch."), "modes": _aggregate(per_question, [m for m, _ in modes]),
+            "kv_dtype": passages.kv_dtype, "kv_cache_dtype": str(service.kv_cache_dtype).removeprefix("torch."),
+            "modes": _aggregate(per_question, [m for m, _ in modes]),
             "per_question": per_question}
 
 
