@@ -83,3 +83,23 @@ def test_a_prefill_in_pieces_answers_as_one_pass(budget_server, api_server):
         pieces = _post(budget_server, {**body, "namespace": budget_server.namespace}).json()
         whole = _post(api_server, {**body, "namespace": api_server.namespace}).json()
         assert pieces["answer"] == whole["answer"] and pieces["usage"] == whole["usage"]
+
+
+@pytest.fixture(scope="module")
+def int8_server(corpus_home, tmp_path_factory, smollm):
+    """Running sequences keep int8 KV: a 2-chunk request (~1.2K tokens) counts ~12 KB a token against the
+    budget instead of float32's 46 KB, so 40 MB holds two of them at once, where float32 could not hold one."""
+    server = start_server(copy_home(corpus_home, tmp_path_factory.mktemp("int8")), smollm,
+                          RAGCACHE_KV_CACHE_DTYPE="int8", RAGCACHE_KV_BUDGET_BYTES=40_000_000)
+    yield server
+    server.stop()
+
+
+def test_int8_serving_kv_counts_its_own_bytes_and_batched_answers_equal_alone(int8_server):
+    bodies = _bodies(int8_server, 4, top_k=2)
+    together = _together(int8_server, bodies)
+    assert [r.status_code for r in together] == [200] * 4, [r.text for r in together if r.status_code != 200]
+    peak = int8_server.metric("ragcache_kv_peak_bytes")
+    assert 25_000_000 < peak <= 40_000_000  # two at once (~15 MB each), never three
+    for body, r in zip(bodies, together):
+        assert r.json()["answer"] == _post(int8_server, body).json()["answer"]
