@@ -82,3 +82,22 @@ def test_int8_cache_grows_with_its_scales(smol_runner):
     assert [torch.equal(a, b) for a, b in zip(small.layer(2, 10), (k, v, ks, vs))] == [True] * 4
     widened = small.float_layer(2, 10, torch.float32)[0]
     assert ((widened - exact).abs() <= ks[..., None] / 2 * (1 + 1e-5)).all()
+
+
+def test_ape_decodes_over_an_int8_cache_within_its_bound(smol_runner):
+    """APE's re-weighted pass reads a compact cache widened back to float32: one decode step after a reused
+    fusion under APE lands within KL_BOUND of the same step over the float32 cache."""
+    from blend import Reuse, compute_chunk, fuse_and_prefill
+    from blend.reweight import Reweight, Reweighted
+
+    g = torch.Generator().manual_seed(5)
+    chunks = [compute_chunk(smol_runner, torch.randint(10, 20000, (n,), generator=g)) for n in (60, 40)]
+    suffix = torch.randint(10, 20000, (6,), generator=g)
+    fused = fuse_and_prefill(smol_runner, None, chunks, suffix, Reweighted(Reuse(), Reweight(1.0, 0.5)), headroom=2)
+    assert fused.cache.reweight is not None
+    small = KVCache(fused.cache.k.clone(), fused.cache.v.clone(), fused.cache.length).compact(torch.int8)
+    small.reweight = fused.cache.reweight
+    token = int(fused.logits.argmax())
+    ref, ours = _step(smol_runner, fused.cache, token), _step(smol_runner, small, token)
+    kl = torch.nn.functional.kl_div(ours.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum")
+    assert 0 < float(kl) < KL_BOUND[torch.int8], float(kl)
