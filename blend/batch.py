@@ -19,7 +19,8 @@ import torch
 from . import kernels
 from .cache import KVCache
 from .fuse import FusedResult, finish_fused, stage
-from .runner import Check, RowFilter, Runner, Selected, write_rows
+from .linear import Weights
+from .runner import Check, RowFilter, Runner, Selected
 
 
 @dataclass
@@ -34,8 +35,10 @@ class Rows:
 
 
 @torch.inference_mode()
-def forward_batch(runner: Runner, items: list[Rows]) -> list[Selected]:
-    """`runner.forward_selected` of every item, in one pass; each item's logits are its last row's."""
+def forward_batch(runner: Runner, items: list[Rows], ws: Weights | None = None) -> list[Selected]:
+    """`runner.forward_selected` of every item, in one pass; each item's logits are its last row's.
+    `ws`: the matrices to multiply by (default the runner's prefill ones, `runner.w`)."""
+    ws = ws or runner.w
     dev = runner.device
     rows = [it.rows.to(dev) for it in items]
     for it, r in zip(items, rows):
@@ -49,7 +52,7 @@ def forward_batch(runner: Runner, items: list[Rows]) -> list[Selected]:
     out_rows: list[list[torch.Tensor]] = [[] for _ in items]
     deviations: list[dict] = [{} for _ in items]
     for l in range(runner.num_layers):
-        q, k, v = runner._qkv(l, x, cos, sin)  # (N, H, hd), (N, Hkv, hd) ×2
+        q, k, v = runner._qkv(ws, l, x, cos, sin)  # (N, H, hd), (N, Hkv, hd) ×2
         keep, offset, shrunk = [], 0, False
         for i, it in enumerate(items):
             n = rows[i].shape[0]
@@ -70,9 +73,9 @@ def forward_batch(runner: Runner, items: list[Rows]) -> list[Selected]:
         for r in rows:
             cu.append(cu[-1] + r.shape[0])
         ends = [int(r[-1]) + 1 for r in rows]
-        x = runner._finish(l, x, _attention(runner, items, l, q, rows, cu, ends, plans, kv_rows))
+        x = runner._finish(ws, l, x, _attention(runner, items, l, q, rows, cu, ends, plans, kv_rows))
     last = torch.tensor([c - 1 for c in cu[1:]], device=dev)
-    logits = runner._logits(x[last])  # (B, V)
+    logits = runner._logits(ws, x[last])  # (B, V)
     return [Selected(logits[i], kv_rows[i], out_rows[i], deviations[i]) for i in range(len(items))]
 
 
@@ -85,16 +88,15 @@ def _attention(runner: Runner, items: list[Rows], l: int, q: torch.Tensor, rows:
     if plain:
         idx = (slice(None) if len(plain) == len(items)
                else torch.cat([torch.arange(cu[i], cu[i + 1], device=q.device) for i in plain]))
-        attn[idx] = kernels.varlen_attention(q[idx], [items[i].cache.k[l][:, : ends[i]] for i in plain],
-                                             [items[i].cache.v[l][:, : ends[i]] for i in plain],
-                                             torch.cat([rows[i] for i in plain]),
+        k, v, *scales = zip(*(items[i].cache.layer(l, ends[i]) for i in plain))  # per sequence: K, V (and scales)
+        attn[idx] = kernels.varlen_attention(q[idx], list(k), list(v), torch.cat([rows[i] for i in plain]),
                                              list(accumulate((cu[i + 1] - cu[i] for i in plain), initial=0)),
-                                             runner.scale, [plans[i] for i in plain])
+                                             runner.scale, [plans[i] for i in plain], list(zip(*scales)) or None)
     for i, it in enumerate(items):
         if it.cache.reweight is not None:
-            a, b, e = cu[i], cu[i + 1], ends[i]
-            attn[a:b] = it.cache.reweight.attention(l, kv_rows[i][-1], q[a:b], it.cache.k[l][:, :e],
-                                                    it.cache.v[l][:, :e], rows[i], runner.scale, plans[i])
+            a, b = cu[i], cu[i + 1]
+            k, v = it.cache.float_layer(l, ends[i], q.dtype)
+            attn[a:b] = it.cache.reweight.attention(l, kv_rows[i][-1], q[a:b], k, v, rows[i], runner.scale, plans[i])
     return attn
 
 
@@ -102,20 +104,21 @@ def _write(runner: Runner, it: Rows, l: int, rows: torch.Tensor, q: torch.Tensor
            deviations: dict) -> torch.Tensor | None:
     """Write one item's new K/V (n, Hkv, hd) at layer l; at a deviation layer, the indices its filter keeps
     (None: all rows go on), as `Runner.forward_selected` does. q (n, H, hd): the rows' queries."""
-    ck, cv = it.cache.layer(l)  # (Hkv, capacity, hd)
-    if l in it.deviation_layers:
+    ck, cv = it.cache.placed(l)  # (Hkv, capacity, hd)
+    if l in it.deviation_layers:  # a fused prefill's: its cache is at the model's dtype
         dev = kernels.deviation_scatter_(ck, rows, k), kernels.deviation_scatter_(cv, rows, v)
         deviations[l] = (rows, *dev)
         keep = it.row_filter(Check(l, rows, *dev, q, ck, runner.scale)) if it.row_filter is not None else None
         return keep if keep is not None and keep.shape[0] != rows.shape[0] else None
-    write_rows(ck, cv, rows, k, v, int(rows[0]), int(rows[-1]) + 1)
+    it.cache.write(l, rows, k, v, int(rows[0]), int(rows[-1]) + 1)
     return None
 
 
 def decode_batch(runner: Runner, caches: list[KVCache], tokens: list[int]) -> torch.Tensor:
-    """One decode step of B sequences: token b goes at the end of cache b → next logits (B, V) float32."""
+    """One decode step of B sequences: token b goes at the end of cache b → next logits (B, V) float32,
+    through the runner's decode weights (`RAGCACHE_DECODE_WEIGHTS`)."""
     items = [Rows(c, torch.tensor([t]), torch.tensor([c.length])) for c, t in zip(caches, tokens)]
-    return torch.stack([s.logits for s in forward_batch(runner, items)])
+    return torch.stack([s.logits for s in forward_batch(runner, items, runner.decode_w)])
 
 
 def fuse_batch(runner: Runner, requests: list[tuple]) -> list[FusedResult]:

@@ -66,7 +66,7 @@ def assemble(runner: Runner, prefix: PrefixKV | None, chunks: list[ChunkKV], lay
     """A cache with the prefix and every needed chunk's KV at its new offset; suffix rows zeroed.
 
     Chunk KV is placed a layer at a time. When some chunk's layers are still arriving (`ChunkKV.ready`),
-    each layer is placed when the model first reads it (`KVCache.layer`), the same way, so the bits
+    each layer is placed when the model first reads it (`KVCache.placed`), the same way, so the bits
     do not depend on when the layers came."""
     cache = runner.new_cache(layout.total + headroom)
     if prefix is not None:

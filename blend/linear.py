@@ -1,28 +1,93 @@
-"""The runner's matrix products, chosen once here: oneDNN's prepacked float32 GEMM on CPU
-(1.5–1.7× faster than F.linear for the few-row products of selective recompute, faster for
-full prefill too), F.linear everywhere else (CUDA, half precision, builds without oneDNN).
+"""The runner's matrices and their products, chosen once here.
+
+Prefill and recompute: oneDNN's prepacked float32 GEMM on CPU (1.5–1.7× faster than F.linear for
+the few-row products of selective recompute, faster for full prefill too), F.linear everywhere else
+(CUDA, half precision, builds without oneDNN). Decode (`RAGCACHE_DECODE_WEIGHTS`) reads every weight
+once per step for a handful of rows, so it is bound by the weights' bytes: `float16` keeps a second,
+half-size copy that fbgemm's GEMM widens to float32 inside its kernel (weight-only: the rows and the
+sums stay float32).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+Linear = Callable[[torch.Tensor, object, torch.Tensor | None], torch.Tensor]
+DECODE_WEIGHTS = ("model", "float16")  # "model": decode multiplies by the prefill's own matrices
+
+
+@dataclass
+class Layer:
+    ln1: torch.Tensor  # (D,)
+    wqkv: object  # ((H + 2·Hkv)·hd, D): q, k, v projections fused, as the path prepares it
+    bqkv: torch.Tensor | None  # qwen2's projection biases
+    q_norm: torch.Tensor | None  # (hd,) qwen3
+    k_norm: torch.Tensor | None
+    wo: object  # (D, H·hd)
+    ln2: torch.Tensor  # (D,)
+    wgu: object  # (2·I, D): gate and up fused
+    wd: object  # (D, I)
+
+
+@dataclass
+class Weights:
+    """Every matrix of the blocks and the LM head, prepared for one GEMM path, and that path's product."""
+
+    layers: list[Layer]
+    lm_head: object  # (V, D)
+    linear: Linear  # (x (n, in), a prepared (out, in) weight, bias) → (n, out)
+    bytes: int  # the matrices' bytes as this path stores them: what one product of each reads
+
+
+def make_weights(state: dict[str, torch.Tensor], num_layers: int, kind: str = "model") -> Weights:
+    """The blocks' and LM head's matrices from HF-named `state`, for the `kind` of GEMM (DECODE_WEIGHTS)."""
+    if kind not in DECODE_WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(DECODE_WEIGHTS)}")
+    w = state["lm_head.weight"]
+    prepare, linear, itemsize = _path(w.device, w.dtype, kind)
+    layers = [_layer(state, f"model.layers.{i}.", prepare) for i in range(num_layers)]
+    matrices = [n for n in state if n.startswith("model.layers.") and n.endswith("_proj.weight")]
+    numel = w.numel() + sum(state[n].numel() for n in matrices)
+    return Weights(layers, prepare(w), linear, numel * itemsize)
+
+
+def _path(device: torch.device, dtype: torch.dtype, kind: str) -> tuple[Callable, Linear, int]:
+    """(prepare a (out, in) weight, apply y = x @ wᵀ + b, bytes per weight) for this device, dtype and kind."""
+    if kind == "float16" and device.type == "cpu" and dtype == torch.float32:
+        return torch.ops.quantized.linear_prepack_fp16, _fp16_linear, 2
+    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        try:
+            probe = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2), None)
+            _packed_linear(torch.ones(1, 2), probe)
+        except (AttributeError, RuntimeError):  # a torch build without these oneDNN ops
+            return (lambda w: w), F.linear, dtype.itemsize
+        return (lambda w: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)), _packed_linear, 4
+    return (lambda w: w), F.linear, dtype.itemsize
 
 
 def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], "")
 
 
-def make_linear(device: torch.device, dtype: torch.dtype) -> tuple[Callable[[torch.Tensor], torch.Tensor], Linear]:
-    """(prepare a (out, in) weight, apply y = x @ wᵀ + b) for this device and dtype."""
-    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        try:
-            probe = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2), None)
-            _packed_linear(torch.ones(1, 2), probe)
-        except (AttributeError, RuntimeError):  # a torch build without these oneDNN ops
-            return (lambda w: w), F.linear
-        return (lambda w: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)), _packed_linear
-    return (lambda w: w), F.linear
+def _fp16_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    y = torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), w)  # w packed with its bias None
+    return y if b is None else y + b
+
+
+def _layer(s: dict[str, torch.Tensor], p: str, prepare: Callable) -> Layer:
+    a = p + "self_attn."
+    biases = [s.get(a + f"{x}_proj.bias") for x in "qkv"]
+    return Layer(
+        ln1=s[p + "input_layernorm.weight"],
+        wqkv=prepare(torch.cat([s[a + f"{x}_proj.weight"] for x in "qkv"])),
+        bqkv=torch.cat(biases) if all(b is not None for b in biases) else None,
+        q_norm=s.get(a + "q_norm.weight"),
+        k_norm=s.get(a + "k_norm.weight"),
+        wo=prepare(s[a + "o_proj.weight"]),
+        ln2=s[p + "post_attention_layernorm.weight"],
+        wgu=prepare(torch.cat([s[p + "mlp.gate_proj.weight"], s[p + "mlp.up_proj.weight"]])),
+        wd=prepare(s[p + "mlp.down_proj.weight"]),
+    )

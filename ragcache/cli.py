@@ -131,7 +131,7 @@ def _eval(args, settings) -> int:
     write_results(results, latest_dir(settings.home))
     print(f"{results['model']}, {results['dataset']}: n={results['n']}, top-k {results['top_k']} "
           f"({results['retrieval']}), chunks {results['chunk_prefill']}, {results['kv_dtype']} KV ({results['codec']}) in the "
-          f"{results['tier']} tier")
+          f"{results['tier']} tier; running sequences keep {results['kv_cache_dtype']} KV")
     print(table(results))
     print(f"wrote {args.out}/results.json, results.csv, pareto.png")
     return 0
@@ -202,7 +202,7 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks whose output goes into BENCHMARKS.md")
     b.add_argument("what", choices=["load", "prefill", "blend", "store", "precompute", "retrieval", "coverage",
-                                    "http", "serve"])
+                                    "http", "serve", "decode"])
     b.add_argument("--tokens", type=_positive, default=2048, help="prefill: input length")
     b.add_argument("--repeats", type=_positive, default=5)
     b.add_argument("--dataset", default="demo/data/musique_dev.json",
@@ -216,13 +216,16 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     b.add_argument("--seconds", type=_positive, default=60, help="http: how long the load runs")
     b.add_argument("--clients", type=_ints, default=[1, 4, 8, 16], help="serve: concurrent clients, comma-separated")
     b.add_argument("--rounds", type=_positive, default=2, help="serve: requests per client")
-    b.add_argument("--new-tokens", type=_positive, default=64, help="serve: tokens decoded per request")
+    b.add_argument("--new-tokens", type=_positive, default=64, help="serve: tokens decoded per request; decode: "
+                   "greedy answer length")
     b.add_argument("--parts", type=_parts, default=list(STORE_PARTS),
                    help=f"store: which parts, comma-separated ({','.join(STORE_PARTS)})")
     b.add_argument("--codecs", type=lambda t: t.split(","), default=["compact"],
                    help="store: compact codecs to measure beside raw (compact, compact-kXvY)")
-    b.add_argument("--limit", type=_positive, default=20, help="store: dev questions in the fidelity part")
+    b.add_argument("--limit", type=_positive, default=20, help="store: dev questions in the fidelity part; decode: "
+                   "dev questions whose greedy answers compare")
     b.add_argument("--trace", type=_floats, default=[0.8, 1.0, 1.2], help="store: Zipf exponents of the traces")
+    b.add_argument("--llama-bench", default=None, help="decode: llama.cpp's llama-bench (default: the one on PATH)")
     b.set_defaults(func=_bench)
 
     i = sub.add_parser("ingest", help="add documents: a .jsonl, a MuSiQue-format .json, or a folder of .txt/.md")

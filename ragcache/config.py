@@ -14,6 +14,8 @@ MODES = (*EVAL_MODES, "auto")
 CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "kv_dtype": ("auto", "float32", "bfloat16", "float16", "int8"),
+    "kv_cache_dtype": ("auto", "float32", "bfloat16", "int8"),
+    "decode_weights": ("model", "float16"),
     "chunk_prefill": ("prefixed", "alone"),
     "index_kind": ("flat", "ivf", "hnsw"),
     "mode": MODES,
@@ -80,6 +82,10 @@ class Settings(BaseSettings):
     job_threads: int = 0  # torch threads of a precompute job the server starts; 0: half the cores
     max_queue: int = 64  # requests waiting for the model beyond this get 429
     kv_budget_bytes: int = 4 << 30  # fused KV caches of running requests, together; more wait (one alone: 400)
+    kv_cache_dtype: str = "auto"  # what running sequences keep their fused KV in: auto (the model's dtype) | float32
+    # | bfloat16 | int8 (a float32 scale per layer, head and token); the fused prefill works at the model's dtype
+    decode_weights: str = "model"  # the matrices a decode step reads: model (the prefill's) | float16 (a float32
+    # model on CPU: a half-size copy fbgemm widens inside its GEMM; prefill and recompute keep float32)
     max_step_rows: int = 8192  # recomputed rows one scheduler step admits (at least one request; longer: × layers)
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
     api_keys: dict[str, list[str]] = {}  # key → namespaces it may use (JSON); empty: no auth
@@ -94,7 +100,8 @@ class Settings(BaseSettings):
     def db_url(self) -> str:
         return self.database_url or f"sqlite:///{self.home / 'ragcache.db'}"
 
-    @field_validator(*"dtype kv_dtype chunk_prefill index_kind mode eviction write_policy admission".split())
+    @field_validator(*"dtype kv_dtype kv_cache_dtype decode_weights chunk_prefill index_kind mode eviction write_policy "
+                      "admission".split())
     @classmethod
     def _choice(cls, v: str, info: ValidationInfo) -> str:
         allowed = CHOICES[info.field_name]

@@ -60,7 +60,7 @@ class Parts:
 
     @part
     def runner(self) -> Runner:
-        return Runner(self.model)
+        return Runner(self.model, self.settings.decode_weights)
 
     @part
     def tokenizer(self):
@@ -103,6 +103,12 @@ class Parts:
     def kv_dtype(self) -> str:
         d = self.settings.kv_dtype
         return str(self.model.dtype).removeprefix("torch.") if d == "auto" else d
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """What a running sequence keeps its fused KV in (RAGCACHE_KV_CACHE_DTYPE)."""
+        d = self.settings.kv_cache_dtype
+        return self.model.dtype if d == "auto" else getattr(torch, d)
 
     @property
     def chunk_context(self) -> str:

@@ -43,31 +43,44 @@ def attention_plan(q_pos: torch.Tensor) -> list[reference.Block] | None:
 
 
 def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
-                       plan: list[reference.Block] | None = None) -> torch.Tensor:
+                       plan: list[reference.Block] | None = None, scales: tuple = ()) -> torch.Tensor:
     """Attention of selected rows over a whole cache, causal by absolute position (key j at j).
 
     q (n, H, hd) with q_pos (n,) ascending; k, v (Hkv, T, hd), H a multiple of Hkv → (n, H, hd).
+    K/V may be compact (`KVCache.compact`): bfloat16 under float32 queries, or int8 with
+    scales = (k_scale, v_scale) (Hkv, T); sums stay float32 either way.
     """
     ops = _triton(q)
     if ops:
-        return ops.selected_attention(q, k, v, q_pos, scale)
-    return reference.selected_attention(q, k, v, q_pos, scale, plan)
+        return ops.selected_attention(q, k, v, q_pos, scale, *scales)
+    if k.dtype == q.dtype:
+        return reference.selected_attention(q, k, v, q_pos, scale, plan)
+    if k.dtype == torch.int8 and q.dtype == torch.float32:
+        from . import cpu_int8  # numba compiles it on first use
+
+        return cpu_int8.attention(q, k, v, q_pos, scale, *scales)
+    return reference.compact_attention(q, k, v, q_pos, scale, *scales)
 
 
 def varlen_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], q_pos: torch.Tensor,
-                     cu_rows: list[int], scale: float, plans: list | None = None) -> torch.Tensor:
+                     cu_rows: list[int], scale: float, plans: list | None = None,
+                     scales: list[tuple] | None = None) -> torch.Tensor:
     """`selected_attention` of several sequences at once, each against its own cache.
 
     q (N, H, hd): sequence i's rows q[cu_rows[i]:cu_rows[i+1]], positions q_pos (N,) ascending within
     each; ks[i], vs[i] (Hkv, T_i, hd) → (N, H, hd). One Triton launch on CUDA, a loop on CPU
     (measured faster there than a padded batch: no copies of the caches). `plans`: per sequence,
-    from `attention_plan` (CPU only).
+    from `attention_plan` (CPU only). Compact K/V as `selected_attention` takes them, scales[i] sequence i's.
     """
     if q.is_cuda:
         from . import triton_varlen
 
-        return triton_varlen.varlen_attention(q, ks, vs, q_pos, cu_rows, scale)
-    return reference.varlen_attention(q, ks, vs, q_pos, cu_rows, scale, plans)
+        return triton_varlen.varlen_attention(q, ks, vs, q_pos, cu_rows, scale, scales)
+    if ks[0].dtype == q.dtype:
+        return reference.varlen_attention(q, ks, vs, q_pos, cu_rows, scale, plans)
+    scales = scales or [()] * len(ks)
+    return torch.cat([selected_attention(q[a:b], k, v, q_pos[a:b], scale, scales=sc)
+                      for a, b, k, v, sc in zip(cu_rows, cu_rows[1:], ks, vs, scales)])  # (N, H, hd)
 
 
 def attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
@@ -79,11 +92,20 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tens
     return (ops.attention_mass if ops else reference.attention_mass)(q, k, scale)
 
 
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8, one scale per row: x (..., hd) float → (int8 (..., hd), float32 scale (...)); either device."""
+    return reference.quantize_int8(x)
+
+
+def widen(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Compact K or V (..., T, hd), bfloat16 or int8 with scale (..., T) → `dtype`."""
+    return reference.widen(x, scale, dtype)
+
+
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Symmetric int8 with one scale per row: q (B, n, hd) int8, scale (B, n) float32 → (B, n, hd)."""
     ops = _triton(q)
     return (ops.dequantize_int8 if ops else reference.dequantize_int8)(q, scale, dtype)
-
 
 
 def reweighted_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,

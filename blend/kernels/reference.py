@@ -197,3 +197,53 @@ def reweighted_attention_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     future = torch.arange(t, device=k.device)[None, :] > q_pos.repeat(g)[:, None]  # (g·n, T)
     probs = torch.softmax(x.masked_fill_(future, float("-inf")), dim=-1)
     return (probs @ v.float()).reshape(h, n, hd).permute(1, 0, 2).to(q.dtype)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per row: x (..., hd) → q (..., hd) int8, scale (...) float32 (amax / 127)."""
+    scale = x.abs().amax(-1).float() / 127
+    q = torch.round(x.float() / scale.clamp(min=1e-30).unsqueeze(-1)).clamp_(-127, 127)
+    return q.to(torch.int8), scale
+
+
+def widen(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Compact K or V (..., T, hd) (bfloat16, or int8 with scale (..., T)) → `dtype`."""
+    return x.to(dtype) if scale is None else dequantize_int8(x, scale, dtype)
+
+
+COMPACT_BLOCK = 512  # keys widened to float32 at a time: a block of K and V stays in a core's L2
+
+
+def compact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                      block: int = COMPACT_BLOCK) -> torch.Tensor:
+    """`selected_attention` over a compact cache, a block of keys at a time, in float32.
+
+    q (n, H, hd) float at q_pos (n,) ascending; k, v (Hkv, T, hd) bfloat16, or int8 with k_scale,
+    v_scale (Hkv, T) → (n, H, hd) in q's dtype. Each block of keys is widened to float32 and attended
+    (causal by absolute position) with its log-sum-exp; the blocks merge by weight.
+    """
+    n, h, hd = q.shape
+    hkv = k.shape[0]
+    end = min(k.shape[1], int(q_pos[-1]) + 1) if n else 0  # keys past the last row are never read
+    stacked = q.float().permute(1, 0, 2).reshape(1, hkv, (h // hkv) * n, hd)  # query head j·g + i → K/V head j
+    pos = q_pos.repeat(h // hkv)  # (g·n,) each stacked row's position
+    out = torch.zeros_like(stacked)
+    lse = torch.full(stacked.shape[:3], float("-inf"), device=q.device)
+    for a in range(0, end, block):
+        b = min(a + block, end)
+        kb = widen(k[:, a:b], None if k_scale is None else k_scale[:, a:b], torch.float32)[None]
+        vb = widen(v[:, a:b], None if v_scale is None else v_scale[:, a:b], torch.float32)[None]
+        mask = None
+        if int(q_pos[0]) < b - 1:  # some row sees only part of this block
+            keys = torch.arange(a, b, device=q.device)
+            mask = torch.zeros(pos.numel(), b - a, device=q.device).masked_fill_(keys[None] > pos[:, None],
+                                                                                   float("-inf"))
+        o, l = _flash(stacked, kb, vb, 0.0, False, attn_mask=mask, scale=scale)
+        l = l.masked_fill(pos < a, float("-inf"))  # a row that sees none of the block's keys (flash says 0)
+        top = torch.maximum(lse, l)
+        safe = torch.where(top == float("-inf"), 0.0, top)
+        wa, wb = (lse - safe).exp().unsqueeze(-1), (l - safe).exp().unsqueeze(-1)
+        out = (out * wa + o * wb) / (wa + wb).clamp(min=1e-30)
+        lse = safe + torch.log(wa + wb).squeeze(-1)
+    return out.reshape(h, n, hd).permute(1, 0, 2).to(q.dtype)

@@ -103,10 +103,10 @@ def deviation_scatter_(cache: torch.Tensor, rows: torch.Tensor, new: torch.Tenso
 
 
 @triton.jit
-def _selected_attention_kernel(Q, K, V, O, QPOS, n, T, scale, stride_qn, stride_qh, stride_kh, stride_kt,
-                               stride_vh, stride_vt, stride_on, stride_oh, GROUP: tl.constexpr,
+def _selected_attention_kernel(Q, K, V, O, QPOS, KS, VS, n, T, scale, stride_qn, stride_qh, stride_kh, stride_kt,
+                               stride_vh, stride_vt, stride_on, stride_oh, stride_sh, GROUP: tl.constexpr,
                                HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                               F32_DOT: tl.constexpr):
+                               F32_DOT: tl.constexpr, SCALED: tl.constexpr):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -115,14 +115,15 @@ def _selected_attention_kernel(Q, K, V, O, QPOS, n, T, scale, stride_qn, stride_
     q_pos = tl.load(QPOS + offs_m, mask=valid_m, other=0)  # padding rows see key 0 only: no NaN
     q = _load_rows(Q, offs_m, valid_m, head, stride_qn, stride_qh, HD)
     out = _attend_rows(q, q_pos, K + kv_head * stride_kh, stride_kt, V + kv_head * stride_vh, stride_vt, T, scale,
-                       HD, BLOCK_M, BLOCK_N, IEEE, F32_DOT)
+                       HD, BLOCK_M, BLOCK_N, IEEE, F32_DOT, KS + kv_head * stride_sh, VS + kv_head * stride_sh, SCALED)
     _store_rows(O, offs_m, valid_m, head, stride_on, stride_oh, out, HD)
 
 
 def attention_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None,
-                     q_pos: torch.Tensor | None = None) -> tuple[int, int, int, int, int]:
+                     q_pos: torch.Tensor | None = None, compact: bool = False) -> tuple[int, int, int, int, int]:
     """What every attention launcher asserts: q (n, H, hd), k and v (Hkv, T, hd), H a multiple of Hkv,
-    head_dim contiguous and a power of two ≥ 16, one float dtype, q_pos (n,) int64 → (n, H, hd, Hkv, T)."""
+    head_dim contiguous and a power of two ≥ 16, one float dtype (`compact`: K/V may be any float or int8),
+    q_pos (n,) int64 → (n, H, hd, Hkv, T)."""
     v = k if v is None else v
     assert q.dim() == 3 and k.dim() == 3 and v.shape == k.shape, (q.shape, k.shape, v.shape)
     n, h, hd = q.shape
@@ -130,25 +131,42 @@ def attention_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = 
     assert k.shape[2] == hd and h % hkv == 0, (q.shape, k.shape)
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1, "head_dim must be contiguous"
     assert _pow2(hd) and hd >= 16, f"head_dim {hd} must be a power of two >= 16"
-    assert q.dtype in _FLOATS and k.dtype == v.dtype == q.dtype, (q.dtype, k.dtype, v.dtype)
+    assert q.dtype in _FLOATS and k.dtype == v.dtype, (q.dtype, k.dtype, v.dtype)
+    assert k.dtype == q.dtype or (compact and k.dtype in (*_FLOATS, torch.int8)), (q.dtype, k.dtype)
     assert q_pos is None or (q_pos.shape == (n,) and q_pos.dtype == torch.int64 and q_pos.is_contiguous())
     return n, h, hd, hkv, t
 
 
-def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                       scale: float) -> torch.Tensor:
-    """q (n, H, hd), q_pos (n,) int64 ascending; k, v (Hkv, T, hd) → (n, H, hd) in q's dtype."""
-    n, h, hd, hkv, t = attention_layout(q, k, v, q_pos)
+def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """q (n, H, hd), q_pos (n,) int64 ascending; k, v (Hkv, T, hd) in q's dtype, another float, or int8 with
+    k_scale, v_scale (Hkv, T) float32 (one per key, unit stride, the same head stride) → (n, H, hd) in q's dtype."""
+    n, h, hd, hkv, t = attention_layout(q, k, v, q_pos, compact=True)
+    scaled = check_scales(k, k_scale, v_scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if n == 0:
         return out
     block_m = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
     grid = (triton.cdiv(n, block_m), h)
-    _selected_attention_kernel[grid](q, k, v, out, q_pos, n, t, scale, q.stride(0), q.stride(1), k.stride(0),
+    ks, vs = (k_scale, v_scale) if scaled else (k, v)  # unread without SCALED
+    _selected_attention_kernel[grid](q, k, v, out, q_pos, ks, vs, n, t, scale, q.stride(0), q.stride(1), k.stride(0),
                                      k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-                                     GROUP=h // hkv, HD=hd, BLOCK_M=block_m, BLOCK_N=64,
-                                     IEEE=q.dtype == torch.float32, F32_DOT=_bf16_dot_broken(q.dtype))
+                                     ks.stride(0) if scaled else 0, GROUP=h // hkv, HD=hd, BLOCK_M=block_m,
+                                     BLOCK_N=64, IEEE=q.dtype == torch.float32,
+                                     F32_DOT=_bf16_dot_broken(q.dtype), SCALED=scaled)
     return out
+
+
+def check_scales(k: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> bool:
+    """int8 K/V come with (Hkv, T) float32 scales of unit stride along T and one head stride; floats with none."""
+    if k.dtype != torch.int8:
+        assert k_scale is None and v_scale is None, "float K/V take no scales"
+        return False
+    assert k_scale is not None and v_scale is not None, "int8 K/V need their scales"
+    for s in (k_scale, v_scale):
+        assert s.dtype == torch.float32 and s.shape == k.shape[:2] and s.stride(1) == 1, (s.dtype, s.shape, s.stride())
+    assert k_scale.stride(0) == v_scale.stride(0), (k_scale.stride(), v_scale.stride())
+    return True
 
 
 # ---- (d) the question's attention mass on each context key (query-aware selection) ----------------

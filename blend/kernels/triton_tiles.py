@@ -52,28 +52,37 @@ def _fold(s, v, m_i, l_i, acc, IEEE: tl.constexpr, F32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _kv_block(k_base, stride_kt, v_base, stride_vt, start, t_len, HD: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys [start, start + BLOCK_N) of one K/V head → (their positions, which exist, K and V (BLOCK_N, HD))."""
+def _kv_block(k_base, stride_kt, v_base, stride_vt, start, t_len, HD: tl.constexpr, BLOCK_N: tl.constexpr,
+              ks_base=None, vs_base=None, SCALED: tl.constexpr = False):
+    """Keys [start, start + BLOCK_N) of one K/V head → (their positions, which exist, K and V (BLOCK_N, HD)).
+    SCALED: K/V are int8 with one float32 scale per key at ks_base + t, vs_base + t, widened here to float32."""
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HD)
     in_range = offs_n < t_len
     k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=in_range[:, None], other=0.0)
     v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=in_range[:, None], other=0.0)
+    if SCALED:
+        k = k.to(tl.float32) * tl.load(ks_base + offs_n, mask=in_range, other=0.0)[:, None]
+        v = v.to(tl.float32) * tl.load(vs_base + offs_n, mask=in_range, other=0.0)[:, None]
     return offs_n, in_range, k, v
 
 
 @triton.jit
 def _attend_rows(q, q_pos, k_base, stride_kt, v_base, stride_vt, t_len, scale, HD: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, F32_DOT: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, F32_DOT: tl.constexpr,
+                 ks_base=None, vs_base=None, SCALED: tl.constexpr = False):
     """Online-softmax attention of one head's block of query rows q (BLOCK_M, HD) over keys [0, t_len),
     key t at k_base + t·stride_kt, causal by absolute position (row i sees t ≤ q_pos[i]) → (BLOCK_M, HD) float32.
-    Keys past the block's last position are never read."""
+    Keys past the block's last position are never read. K/V stored narrower than q (bfloat16, or int8 with
+    SCALED) are widened to q's dtype a block at a time; the sums stay float32."""
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HD), dtype=tl.float32)
     last = tl.minimum(tl.max(q_pos, axis=0) + 1, t_len)
     for start in range(0, last, BLOCK_N):
-        offs_n, in_range, k, v = _kv_block(k_base, stride_kt, v_base, stride_vt, start, t_len, HD, BLOCK_N)
+        offs_n, in_range, k, v = _kv_block(k_base, stride_kt, v_base, stride_vt, start, t_len, HD, BLOCK_N,
+                                           ks_base, vs_base, SCALED)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         visible = (offs_n[None, :] <= q_pos[:, None]) & in_range[None, :]
         s = tl.where(visible, _qk(q, k, scale, IEEE, F32_DOT), float("-inf"))  # (BLOCK_M, BLOCK_N)
         m_i, l_i, acc = _fold(s, v, m_i, l_i, acc, IEEE, F32_DOT)

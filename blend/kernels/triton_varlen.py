@@ -12,14 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ops import _FLOATS, _bf16_dot_broken, _pow2
+from .triton_ops import _FLOATS, _bf16_dot_broken, _pow2, check_scales
 from .triton_tiles import _attend_rows, _load_rows, _store_rows
 
 
 @triton.jit
 def _varlen_kernel(Q, K, V, O, QPOS, BLK_SEQ, BLK_START, BLK_END, K_OFF, V_OFF, K_HSTRIDE, V_HSTRIDE, T_LEN,
-                   scale, stride_qn, stride_qh, stride_on, stride_oh, GROUP: tl.constexpr, HD: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, F32_DOT: tl.constexpr):
+                   KS, VS, KS_OFF, VS_OFF, S_HSTRIDE, scale, stride_qn, stride_qh, stride_on, stride_oh,
+                   GROUP: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   IEEE: tl.constexpr, F32_DOT: tl.constexpr, SCALED: tl.constexpr):
     blk = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -33,7 +34,10 @@ def _varlen_kernel(Q, K, V, O, QPOS, BLK_SEQ, BLK_START, BLK_END, K_OFF, V_OFF, 
     valid_m = offs_m < row_end
     q_pos = tl.load(QPOS + offs_m, mask=valid_m, other=0)  # padding rows see key 0 only: no NaN
     q = _load_rows(Q, offs_m, valid_m, head, stride_qn, stride_qh, HD)
-    out = _attend_rows(q, q_pos, k_base, HD, v_base, HD, t_len, scale, HD, BLOCK_M, BLOCK_N, IEEE, F32_DOT)
+    ks_base = KS + tl.load(KS_OFF + seq) + kv_head * tl.load(S_HSTRIDE + seq)  # int8: key t's scale at ks_base + t
+    vs_base = VS + tl.load(VS_OFF + seq) + kv_head * tl.load(S_HSTRIDE + seq)
+    out = _attend_rows(q, q_pos, k_base, HD, v_base, HD, t_len, scale, HD, BLOCK_M, BLOCK_N, IEEE, F32_DOT,
+                       ks_base, vs_base, SCALED)
     _store_rows(O, offs_m, valid_m, head, stride_on, stride_oh, out, HD)
 
 
@@ -44,9 +48,10 @@ def _offsets(views: list[torch.Tensor], base: torch.Tensor) -> torch.Tensor:
 
 
 def varlen_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], q_pos: torch.Tensor,
-                     cu_rows: list[int], scale: float) -> torch.Tensor:
+                     cu_rows: list[int], scale: float, scales: list[tuple] | None = None) -> torch.Tensor:
     """q (N, H, hd): sequence i's rows are q[cu_rows[i]:cu_rows[i+1]], positions q_pos (N,) ascending
-    within each; ks[i], vs[i] (Hkv, T_i, hd) with rows contiguous (hd stride 1, row stride hd) → (N, H, hd)."""
+    within each; ks[i], vs[i] (Hkv, T_i, hd) with rows contiguous (hd stride 1, row stride hd) → (N, H, hd).
+    K/V in q's dtype, another float, or int8 with scales[i] = (k_scale, v_scale) (Hkv, T_i) float32."""
     n, h, hd = q.shape
     b = len(ks)
     assert len(vs) == b and len(cu_rows) == b + 1 and cu_rows[0] == 0 and cu_rows[-1] == n, (len(ks), cu_rows)
@@ -56,8 +61,10 @@ def varlen_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Ten
     assert h % hkv == 0
     for k, v in zip(ks, vs):
         assert k.shape[0] == v.shape[0] == hkv and k.shape[2] == v.shape[2] == hd and k.shape[1] == v.shape[1]
-        assert k.dtype == v.dtype == q.dtype and k.device == q.device == v.device
+        assert k.dtype == v.dtype == ks[0].dtype and k.device == q.device == v.device
         assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == hd, "rows must be contiguous"
+    scales = scales or [()] * b
+    scaled = [check_scales(k, *sc) for k, sc in zip(ks, scales)][0]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if n == 0:
         return out
@@ -68,10 +75,12 @@ def varlen_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Ten
             seq.append(i), start.append(s), end.append(min(s + block_m, z))
     dev = q.device
     ints = lambda xs: torch.tensor(xs, dtype=torch.int64).to(dev)  # noqa: E731
+    k_sc, v_sc = ([s[0] for s in scales], [s[1] for s in scales]) if scaled else (ks, vs)  # unread without SCALED
     _varlen_kernel[(len(seq), h)](
         q, ks[0], vs[0], out, q_pos, ints(seq), ints(start), ints(end), _offsets(ks, ks[0]).to(dev),
         _offsets(vs, vs[0]).to(dev), ints([k.stride(0) for k in ks]), ints([v.stride(0) for v in vs]),
-        ints([k.shape[1] for k in ks]), scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        GROUP=h // hkv, HD=hd, BLOCK_M=block_m, BLOCK_N=64, IEEE=q.dtype == torch.float32,
-        F32_DOT=_bf16_dot_broken(q.dtype))
+        ints([k.shape[1] for k in ks]), k_sc[0], v_sc[0], _offsets(k_sc, k_sc[0]).to(dev),
+        _offsets(v_sc, v_sc[0]).to(dev), ints([x.stride(0) if scaled else 0 for x in k_sc]), scale, q.stride(0),
+        q.stride(1), out.stride(0), out.stride(1), GROUP=h // hkv, HD=hd, BLOCK_M=block_m, BLOCK_N=64,
+        IEEE=q.dtype == torch.float32, F32_DOT=_bf16_dot_broken(q.dtype), SCALED=scaled)
     return out

@@ -45,11 +45,12 @@ def recompute_table(runner: Runner, reqs: list[tuple], repeats: int) -> str:
     return table(rows, ["mode", "requests", "sequential s", "batched s", "sequential / batched"])
 
 
-def decode_table(runner: Runner, reqs: list[tuple], sizes: list[int], repeats: int) -> tuple[str, dict[int, float]]:
-    """Seconds of one decode step of B sequences (each its own fused context), per B; and that table."""
+def decode_table(runner: Runner, reqs: list[tuple], sizes: list[int], repeats: int,
+                 kv: torch.dtype) -> tuple[str, dict[int, float]]:
+    """Seconds of one decode step of B sequences (each its own fused context, kept at `kv`), per B; and that table."""
     fused = [fuse_and_prefill(runner, *reqs[i % len(reqs)], CacheBlend(0.15), headroom=len(sizes) * (repeats + 1))
              for i in range(max(sizes))]  # requests repeat past len(reqs): each still has its own cache
-    caches = [f.cache for f in fused]
+    caches = [runner.compact(f.cache, kv) for f in fused]
     steps = {b: (lambda b=b: decode_batch(runner, caches[:b], [int(f.logits.argmax()) for f in fused[:b]]))
              for b in sizes}
     times = interleaved(steps, repeats)
@@ -62,15 +63,39 @@ def decode_table(runner: Runner, reqs: list[tuple], sizes: list[int], repeats: i
             table(rows, ["B", "step ms", "vs B=1", "tokens/s vs B=1"]), seconds)
 
 
-def run_in_process(settings, data: list[dict], n: int, sizes: list[int], repeats: int) -> str:
-    from blend import load_model
+def compact_table(runner: Runner, req: tuple, kv: torch.dtype, repeats: int) -> str:
+    """A cacheblend@0.15 request's time to its first token, its fused cache left as it is or compacted to `kv`
+    as a running sequence keeps it (interleaved)."""
+    def fuse(compact: bool):
+        def go():
+            res = fuse_and_prefill(runner, *req, CacheBlend(0.15), headroom=64)
+            int(res.logits.argmax())
+            runner.release(runner.compact(res.cache, kv) if compact else res.cache)
+        return go
+
+    times = interleaved({"fused cache as computed": fuse(False), f"then compacted to {kv}": fuse(True)}, repeats)
+    base = median(times["fused cache as computed"])
+    return table([[name, median(t), median(t) / base] for name, t in times.items()],
+                 ["cacheblend@0.15 TTFT", "seconds", "vs as computed"])
+
+
+def run_in_process(settings, data: list[dict], n: int, sizes: list[int], repeats: int,
+                   new_tokens: int) -> tuple[str, tuple[int, int]]:
+    """The in-process tables, and what one decode step reads: (weight bytes, one sequence's KV bytes at its
+    average context while it decodes `new_tokens`)."""
+    from blend import KVCache, load_model
 
     model = load_model(settings.model, settings.home, settings.device, settings.dtype)
-    runner = Runner(model)
+    runner = Runner(model, settings.decode_weights)
+    kv = model.dtype if settings.kv_cache_dtype == "auto" else getattr(torch, settings.kv_cache_dtype)
     with torch.inference_mode():
         reqs = requests(runner, data, settings.system_prompt, n)
         text = (f"\nBatched vs sequential selective recompute, {n} requests arriving at once, 4 passages each "
                 f"({model.name} {model.dtype} on {model.device}, median of {repeats} interleaved repeats)\n")
         text += recompute_table(runner, reqs[:n], repeats)
-        decode, _ = decode_table(runner, reqs, sizes, repeats)
-    return text + "\n\n" + decode
+        decode, _ = decode_table(runner, reqs, sizes, repeats, kv)
+        if kv != model.dtype:
+            decode += "\n\n" + compact_table(runner, reqs[0], kv, repeats)
+    context = sum(len(x) for x in reqs[0][1]) + len(reqs[0][0]) + reqs[0][2].numel() + new_tokens // 2
+    row = KVCache.bytes_per_row_of(runner.num_layers, runner.num_kv_heads, runner.head_dim, kv)
+    return text + "\n\n" + decode, (runner.decode_w.bytes, context * row)

@@ -31,15 +31,17 @@ def run(settings, args) -> int:
     data = _questions(Path(args.dataset))[:8]
     sizes = args.clients
     with tempfile.TemporaryDirectory(prefix="ragcache-bench-serve-") as tmp:
-        env = {**_env(settings, Path(tmp) / "home"), "RAGCACHE_CHUNK_TOKENS": "1024"}  # a passage is one chunk
+        env = {**_env(settings, Path(tmp) / "home"), "RAGCACHE_CHUNK_TOKENS": "1024",  # a passage is one chunk
+               "RAGCACHE_KV_CACHE_DTYPE": settings.kv_cache_dtype, "RAGCACHE_DECODE_WEIGHTS": settings.decode_weights}
         _cli(env, "ingest", _jsonl(Path(tmp) / "corpus.jsonl", [c for q in data for c in q["ctxs"][:4]], "c"),
              "--namespace", "bench")
         _cli(env, "precompute", "--quiet")
         questions = [q["question"] for q in data]
         with _Server(env, Path(tmp)) as srv:
-            print(f"model {settings.model}, {os.cpu_count()} cores; corpus: {len(data)} questions x 4 MuSiQue "
-                  f"passages, top-k 4, {args.new_tokens} tokens per request (ignore_eos), {args.rounds} requests "
-                  "per client, streamed")
+            print(f"model {settings.model}, {os.cpu_count()} cores, KV of running sequences {settings.kv_cache_dtype}, "
+                  f"decode weights {settings.decode_weights}; corpus: {len(data)} questions x 4 MuSiQue passages, "
+                  f"top-k 4, {args.new_tokens} tokens per request (ignore_eos), {args.rounds} requests per client, "
+                  "streamed")
             with httpx.Client(base_url=srv.url, timeout=600) as c:  # warm every path
                 for body in MODES.values():
                     _stream(c, _body(questions[0], body, 4))
@@ -49,8 +51,24 @@ def run(settings, args) -> int:
                     runs[(m, n)] = r = _clients(srv.url, questions, MODES[m], n, args.rounds, args.new_tokens)
                     print(f"  {m} N={n}: {r['tokens']} tokens in {r['wall']:.1f} s, {r['errors']} errors", flush=True)
         print(_report(runs, sizes, args.new_tokens))
-    print(run_in_process(settings, data, 8, sizes, args.repeats))
+    text, reads = run_in_process(settings, data, 8, sizes, args.repeats, args.new_tokens)
+    print(text)
+    print(_bandwidth(runs, sizes, *reads))
     return 0
+
+
+def _bandwidth(runs: dict, sizes: list[int], weights: int, kv: int) -> str:
+    """Reuse's gain against the bound set by the bytes a decode step reads: N sequences read the weights
+    once and N caches, so N x (W + KV) / (W + N x KV) over one sequence's step."""
+    rows = []
+    for n in sizes:
+        one, r = runs[("reuse", sizes[0])], runs[("reuse", n)]
+        gain = (r["tokens"] / r["wall"]) / (one["tokens"] / one["wall"])
+        bound = n * (weights + kv) / (weights + n * kv) / (sizes[0] * (weights + kv) / (weights + sizes[0] * kv))
+        rows.append([n, (weights + n * kv) / 1e6, gain, bound, gain / bound])
+    return (f"\nreuse against the bandwidth bound: a step reads {weights / 1e6:.0f} MB of weights and "
+            f"{kv / 1e6:.1f} MB of KV per sequence\n"
+            + table(rows, ["N", "MB a step reads", "tokens/s vs N=1", "bound", "vs bound"]))
 
 
 def _body(question: str, mode: dict, new_tokens: int) -> dict:

@@ -170,6 +170,8 @@ def _run_mode(service, passages: _Passages, keys, suffix, policy, cfg: EvalConfi
     first = int(fused.logits.argmax())
     ttft = time.perf_counter() - t0
     total = fused.layout.total
+    if reference is not None:  # a served mode decodes from its KV as a running sequence keeps it; the reference
+        fused.cache = runner.compact(fused.cache, service.kv_cache_dtype)  # (full) stays at the model's dtype
 
     def forced(ids: list[int]) -> torch.Tensor:  # (m, V): the distributions before each of ids[:m]
         m = max(1, min(cfg.tf_tokens, len(ids)))
@@ -231,7 +233,9 @@ def evaluate(service, cfg: EvalConfig, progress: bool = True) -> dict:
     return {"model": service.model.name, "dataset": str(cfg.dataset), "n": len(per_question), "top_k": cfg.top_k,
             "retrieval": cfg.retrieval, "chunk_prefill": cfg.chunk_prefill, "tier": cfg.tier,
             "knobs": {"probe_epic_k": cfg.probe_epic_k, "a3_window": cfg.a3_window},  # the rest are in the labels
-            "kv_dtype": passages.kv_dtype, "codec": cfg.codec, "modes": _aggregate(per_question, [m for m, _ in modes]),
+            "kv_dtype": passages.kv_dtype, "codec": cfg.codec,
+            "kv_cache_dtype": str(service.kv_cache_dtype).removeprefix("torch."),
+            "modes": _aggregate(per_question, [m for m, _ in modes]),
             "per_question": per_question}
 
 

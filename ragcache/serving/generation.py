@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blend import ChunkKV, compute_prefix, fuse_and_prefill, make_policy, tokens_only
+from blend import ChunkKV, KVCache, compute_prefix, fuse_and_prefill, make_policy, tokens_only
 from blend.batch import decode_batch
 from blend.reweight import Reweight, Reweighted
 from blend.decode import Sampling
@@ -180,9 +180,9 @@ class Generation:
                         times)
 
     def kv_row_bytes(self) -> int:
-        """Bytes of one token's K and V over every layer."""
+        """Bytes of one token's K and V over every layer, as running sequences keep them (RAGCACHE_KV_CACHE_DTYPE)."""
         r = self.p.runner
-        return 2 * r.num_layers * r.num_kv_heads * r.head_dim * r.dtype.itemsize
+        return KVCache.bytes_per_row_of(r.num_layers, r.num_kv_heads, r.head_dim, self.p.kv_cache_dtype)
 
     def generate(self, ask: Ask, on_text=None, cancelled=lambda: False) -> dict:
         """The answer, its chunks, token usage and stage timings; `on_text(delta)` streams the answer.
@@ -193,6 +193,7 @@ class Generation:
         prep = self.prepare(ask)
         prep.times["admitted"] = time.perf_counter()
         fused = fuse_and_prefill(self.p.runner, *prep.fuse_args())
+        fused.cache = self.p.runner.compact(fused.cache, self.p.kv_cache_dtype)  # as a server's running sequence
         seq = Sequence(prep, fused, self.p.tokenizer, on_text)
         try:
             while (token := seq.advance()) is not None:

@@ -173,6 +173,7 @@ class Scheduler:
         self._start(piece.ticket, piece.prep, fused)
 
     def _start(self, ticket: Ticket, prep: Prepared, fused) -> None:
+        fused.cache = self.service.runner.compact(fused.cache, self.service.kv_cache_dtype)  # RAGCACHE_KV_CACHE_DTYPE
         self._running.append((ticket, Sequence(prep, fused, self.service.tokenizer,
                                                lambda delta: ticket.emit("text", delta))))
 

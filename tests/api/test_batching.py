@@ -29,6 +29,18 @@ def _together(server, bodies: list[dict]) -> list:
         return list(pool.map(lambda b: _post(server, b), bodies))
 
 
+def _all_served(server, bodies: list[dict]) -> list:
+    together = _together(server, bodies)
+    assert [r.status_code for r in together] == [200] * len(bodies), [r.text for r in together if r.status_code != 200]
+    return together
+
+
+def _own_server(corpus_home, tmp_path_factory, smollm, name: str, **env):
+    server = start_server(copy_home(corpus_home, tmp_path_factory.mktemp(name)), smollm, **env)
+    yield server
+    server.stop()
+
+
 def _batched_steps(server) -> float:
     """Decode steps that advanced more than one sequence."""
     return (server.metric("ragcache_decode_batch_size_count")
@@ -38,8 +50,7 @@ def _batched_steps(server) -> float:
 def test_eight_concurrent_clients_get_what_each_gets_alone(api_server):
     bodies = _bodies(api_server, 8)
     before = _batched_steps(api_server)
-    together = _together(api_server, bodies)
-    assert [r.status_code for r in together] == [200] * 8, [r.text for r in together if r.status_code != 200]
+    together = _all_served(api_server, bodies)
     assert _batched_steps(api_server) > before  # they did share decode steps
     for body, r in zip(bodies, together):
         alone = _post(api_server, body).json()
@@ -52,16 +63,13 @@ def test_eight_concurrent_clients_get_what_each_gets_alone(api_server):
 def budget_server(corpus_home, tmp_path_factory, smollm):
     """A budget that holds two requests of 2 chunks (~1.2K tokens x 46 KB each), not three; and 64
     recomputed rows a step (x 30 layers, in row-layers), so that a long prefill runs in pieces."""
-    server = start_server(copy_home(corpus_home, tmp_path_factory.mktemp("budget")), smollm,
-                          RAGCACHE_KV_BUDGET_BYTES=130_000_000, RAGCACHE_MAX_STEP_ROWS=64)
-    yield server
-    server.stop()
+    yield from _own_server(corpus_home, tmp_path_factory, smollm, "budget", RAGCACHE_KV_BUDGET_BYTES=130_000_000,
+                           RAGCACHE_MAX_STEP_ROWS=64)
 
 
 def test_the_kv_budget_holds_and_nobody_is_dropped(budget_server):
     bodies = _bodies(budget_server, 6, top_k=2)
-    together = _together(budget_server, bodies)
-    assert [r.status_code for r in together] == [200] * 6, [r.text for r in together if r.status_code != 200]
+    together = _all_served(budget_server, bodies)
     assert budget_server.metric("ragcache_kv_peak_bytes") <= 130_000_000  # six at once would need ~330 MB
     assert budget_server.metric("ragcache_kv_in_use_bytes") == 0
     for body, r in zip(bodies, together):
@@ -83,3 +91,20 @@ def test_a_prefill_in_pieces_answers_as_one_pass(budget_server, api_server):
         pieces = _post(budget_server, {**body, "namespace": budget_server.namespace}).json()
         whole = _post(api_server, {**body, "namespace": api_server.namespace}).json()
         assert pieces["answer"] == whole["answer"] and pieces["usage"] == whole["usage"]
+
+
+@pytest.fixture(scope="module")
+def int8_server(corpus_home, tmp_path_factory, smollm):
+    """Running sequences keep int8 KV: a 2-chunk request (~1.2K tokens) counts ~12 KB a token against the
+    budget instead of float32's 46 KB, so 40 MB holds two of them at once, where float32 could not hold one."""
+    yield from _own_server(corpus_home, tmp_path_factory, smollm, "int8", RAGCACHE_KV_CACHE_DTYPE="int8",
+                           RAGCACHE_KV_BUDGET_BYTES=40_000_000)
+
+
+def test_int8_serving_kv_counts_its_own_bytes_and_batched_answers_equal_alone(int8_server):
+    bodies = _bodies(int8_server, 4, top_k=2)
+    together = _all_served(int8_server, bodies)
+    peak = int8_server.metric("ragcache_kv_peak_bytes")
+    assert 25_000_000 < peak <= 40_000_000  # two at once (~15 MB each), never three
+    for body, r in zip(bodies, together):
+        assert r.json()["answer"] == _post(int8_server, body).json()["answer"]

@@ -159,3 +159,78 @@ def test_reweighted_attention_matches_reference(dtype, h, hkv, hd, n, t):
     ref = reference.reweighted_attention_dense(q.cpu().float(), k.cpu().float(), v.cpu().float(), q_pos, stale,
                                                hd**-0.5, 0.8, 0.6)
     assert torch.allclose(ours.cpu().float(), ref, atol=TOL[dtype] * 5, rtol=TOL[dtype] * 5)
+
+
+# ---- compact caches (RAGCACHE_KV_CACHE_DTYPE): bfloat16 K/V under float32 queries, int8 with per-row scales ----
+
+COMPACT = [(torch.float32, torch.int8), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.int8)]
+
+
+def _compact(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(Hkv, T, hd) float32 → (compact, its per-row scales or None)."""
+    return reference.quantize_int8(x) if dtype == torch.int8 else (x.to(dtype), None)
+
+
+def test_int8_rows_round_trip_within_half_a_step():
+    x = torch.randn(3, 50, 64) * torch.logspace(-3, 2, 50)[None, :, None]  # rows of very different sizes
+    x[1, 7] = 0  # an all-zero row (the suffix rows fusion zeroes)
+    q, s = reference.quantize_int8(x)
+    back = reference.dequantize_int8(q, s, torch.float32)
+    assert q.dtype == torch.int8 and s.shape == (3, 50) and s[1, 7] == 0 and back[1, 7].abs().sum() == 0
+    assert ((back - x).abs() <= s[..., None] / 2 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype", COMPACT)
+@pytest.mark.parametrize("h,hkv,hd,kind,t,n", [(9, 3, 64, "contiguous", 150, 1), (8, 1, 128, "scattered", 300, 70),
+                                               (4, 4, 32, "contiguous", 130, 16)])
+def test_compact_attention_matches_reference(q_dtype, kv_dtype, h, hkv, hd, kind, t, n):
+    """The Triton kernel widens a block of keys at a time; the torch oracle (the CPU path of bfloat16) does
+    too, and matches plain attention over the widened cache."""
+    q = _randn(n, h, hd, dtype=q_dtype, seed=12).cpu()
+    (k, ks), (v, vs) = _compact(torch.randn(hkv, t, hd), kv_dtype), _compact(torch.randn(hkv, t, hd), kv_dtype)
+    pos = _rows(kind, t, n)
+    ref = reference.compact_attention(q.float(), k, v, pos, hd**-0.5, ks, vs, block=64)
+    dense = reference.selected_attention(q.float(), reference.widen(k, ks, torch.float32),
+                                         reference.widen(v, vs, torch.float32), pos, hd**-0.5)
+    assert torch.allclose(ref, dense, atol=1e-5, rtol=1e-5)
+    dev = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
+    ours = triton_ops.selected_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), pos.to(DEVICE), hd**-0.5,
+                                         dev(ks), dev(vs))
+    assert ours.dtype == q_dtype
+    assert torch.allclose(ours.cpu().float(), ref, atol=TOL[q_dtype] * 5, rtol=TOL[q_dtype] * 5)
+
+
+@pytest.mark.parametrize("h,hkv,hd,t,rows", [(9, 3, 64, 2471, [2470]), (8, 1, 128, 700, [100, 101, 699]),
+                                             (4, 4, 32, 90, list(range(70, 90)))])
+def test_cpu_int8_attention_matches_reference(h, hkv, hd, t, rows):
+    """The numba decode kernel, over the first rows of a bigger cache (as a running sequence's are)."""
+    from blend.kernels import cpu_int8
+
+    (k, ks), (v, vs) = _compact(torch.randn(hkv, t + 30, hd), torch.int8), _compact(torch.randn(hkv, t + 30, hd),
+                                                                                    torch.int8)
+    q, pos = torch.randn(len(rows), h, hd), torch.tensor(rows)
+    ours = cpu_int8.attention(q, k[:, :t], v[:, :t], pos, hd**-0.5, ks[:, :t], vs[:, :t])
+    ref = reference.compact_attention(q, k[:, :t], v[:, :t], pos, hd**-0.5, ks[:, :t], vs[:, :t])
+    assert torch.allclose(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype", COMPACT)
+def test_varlen_attention_over_compact_caches(q_dtype, kv_dtype):
+    """Decode rows and a short run of rows, each sequence against its own compact cache (own capacity)."""
+    from blend.kernels import triton_varlen
+
+    h, hkv, hd = 9, 3, 64
+    caps, lens, rows = [40, 160, 90], [33, 150, 90], [torch.tensor([32]), torch.arange(140, 150), torch.tensor([89])]
+    caches = [(_compact(torch.randn(hkv, c, hd), kv_dtype), _compact(torch.randn(hkv, c, hd), kv_dtype)) for c in caps]
+    ks = [k[:, :n] for ((k, _), _), n in zip(caches, lens)]
+    vs = [v[:, :n] for (_, (v, _)), n in zip(caches, lens)]
+    scales = [(a[:, :n], b[:, :n]) if a is not None else () for ((_, a), (_, b)), n in zip(caches, lens)]
+    q = _randn(sum(r.numel() for r in rows), h, hd, dtype=q_dtype, seed=13)
+    cu = [0, 1, 11, 12]
+    pos = torch.cat(rows)
+    dev = lambda xs: [x.to(DEVICE) for x in xs]  # noqa: E731
+    ours = triton_varlen.varlen_attention(q, dev(ks), dev(vs), pos.to(DEVICE), cu, hd**-0.5,
+                                          [tuple(dev(s)) for s in scales])
+    for i, (a, b) in enumerate(zip(cu, cu[1:])):
+        ref = reference.compact_attention(q[a:b].cpu().float(), ks[i], vs[i], pos[a:b], hd**-0.5, *scales[i])
+        assert torch.allclose(ours[a:b].cpu().float(), ref, atol=TOL[q_dtype] * 5, rtol=TOL[q_dtype] * 5)

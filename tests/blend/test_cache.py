@@ -1,0 +1,103 @@
+"""A running sequence's compact KV (RAGCACHE_KV_CACHE_DTYPE): float32 is the working cache itself,
+bfloat16 and int8 decode within a stated bound of it, and batched decoding over compact caches gives
+each sequence what it gets alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blend import KVCache
+from blend.batch import decode_batch
+
+# teacher-forced KL(float32 ‖ compact) of the next-token distribution, per decode step, on SmolLM2
+KL_BOUND = {torch.bfloat16: 2e-3, torch.int8: 2e-3}
+
+
+def _prompt(runner, n: int, seed: int) -> torch.Tensor:
+    return torch.randint(4, 20000, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _prefilled(runner, ids: torch.Tensor, room: int) -> tuple[KVCache, torch.Tensor]:
+    pre = runner.prefill(ids)
+    cache = runner.new_cache(ids.numel() + room)
+    cache.k[:, :, : ids.numel()], cache.v[:, :, : ids.numel()] = pre.k, pre.v
+    cache.length = ids.numel()
+    return cache, pre.logits
+
+
+def _step(runner, cache: KVCache, token: int) -> torch.Tensor:
+    return runner.forward_selected(cache, torch.tensor([token]), torch.tensor([cache.length])).logits
+
+
+def test_float32_keeps_the_working_cache_itself(smol_runner):
+    cache, _ = _prefilled(smol_runner, _prompt(smol_runner, 20, 0), 4)
+    assert smol_runner.compact(cache, torch.float32) is cache
+    assert cache.bytes_per_row() == 2 * 30 * 3 * 64 * 4
+    smol_runner.release(cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_compact_decoding_stays_within_its_bound(smol_runner, dtype):
+    """500 tokens of prompt, 4 decode steps fed float32's greedy picks: every step's distribution within
+    KL_BOUND of float32's, and the compact cache a quarter (int8, scales included: 0.27) or half the bytes."""
+    ref_cache, logits = _prefilled(smol_runner, _prompt(smol_runner, 500, 1), 4)
+    cache = KVCache(ref_cache.k.clone(), ref_cache.v.clone(), ref_cache.length).compact(dtype)
+    assert cache.dtype == dtype and cache.length == 500
+    assert cache.bytes_per_row() / ref_cache.bytes_per_row() == (0.5 if dtype == torch.bfloat16 else (64 + 4) / 256)
+    worst = 0.0
+    for _ in range(4):
+        token = int(logits.argmax())
+        logits, ours = _step(smol_runner, ref_cache, token), _step(smol_runner, cache, token)
+        kl = torch.nn.functional.kl_div(ours.log_softmax(-1), logits.log_softmax(-1), log_target=True,
+                                        reduction="sum")
+        worst = max(worst, float(kl))
+    assert 0 < worst < KL_BOUND[dtype], worst
+    smol_runner.release(ref_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_batched_decode_over_compact_caches_matches_each_alone(smol_runner, dtype):
+    prompts = [_prompt(smol_runner, n, 10 + i) for i, n in enumerate([150, 41, 90])]
+    alone, caches = [], []
+    for p in prompts:
+        cache, logits = _prefilled(smol_runner, p, 4)
+        cache = smol_runner.compact(cache, dtype)
+        token = int(logits.argmax())
+        alone.append((token, _step(smol_runner, cache, token)))
+        cache.length -= 1  # that step again, batched
+        caches.append(cache)
+    batched = decode_batch(smol_runner, caches, [t for t, _ in alone])
+    for row, (_, ref) in enumerate(alone):
+        assert torch.allclose(batched[row], ref, atol=1e-4, rtol=1e-4), (row, (batched[row] - ref).abs().max())
+    assert [c.length for c in caches] == [p.numel() + 1 for p in prompts]
+
+
+def test_int8_cache_grows_with_its_scales(smol_runner):
+    cache, _ = _prefilled(smol_runner, _prompt(smol_runner, 10, 3), 1)
+    exact = cache.k[2, :, :10].clone()
+    small = smol_runner.compact(cache, torch.int8)  # the float32 one goes back to the runner
+    k, v, ks, vs = small.layer(2, 10)
+    small.reserve(50)
+    assert small.capacity >= 50 and small.k_scale.shape[2] == small.capacity
+    assert [torch.equal(a, b) for a, b in zip(small.layer(2, 10), (k, v, ks, vs))] == [True] * 4
+    widened = small.float_layer(2, 10, torch.float32)[0]
+    assert ((widened - exact).abs() <= ks[..., None] / 2 * (1 + 1e-5)).all()
+
+
+def test_ape_decodes_over_an_int8_cache_within_its_bound(smol_runner):
+    """APE's re-weighted pass reads a compact cache widened back to float32: one decode step after a reused
+    fusion under APE lands within KL_BOUND of the same step over the float32 cache."""
+    from blend import Reuse, compute_chunk, fuse_and_prefill
+    from blend.reweight import Reweight, Reweighted
+
+    g = torch.Generator().manual_seed(5)
+    chunks = [compute_chunk(smol_runner, torch.randint(10, 20000, (n,), generator=g)) for n in (60, 40)]
+    suffix = torch.randint(10, 20000, (6,), generator=g)
+    fused = fuse_and_prefill(smol_runner, None, chunks, suffix, Reweighted(Reuse(), Reweight(1.0, 0.5)), headroom=2)
+    assert fused.cache.reweight is not None
+    small = KVCache(fused.cache.k.clone(), fused.cache.v.clone(), fused.cache.length).compact(torch.int8)
+    small.reweight = fused.cache.reweight
+    token = int(fused.logits.argmax())
+    ref, ours = _step(smol_runner, fused.cache, token), _step(smol_runner, small, token)
+    kl = torch.nn.functional.kl_div(ours.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum")
+    assert 0 < float(kl) < KL_BOUND[torch.int8], float(kl)
