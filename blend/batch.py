@@ -34,8 +34,9 @@ class Rows:
 
 
 @torch.inference_mode()
-def forward_batch(runner: Runner, items: list[Rows]) -> list[Selected]:
-    """`runner.forward_selected` of every item, in one pass; each item's logits are its last row's."""
+def forward_batch(runner: Runner, items: list[Rows], all_logits: bool = False) -> list[Selected]:
+    """`runner.forward_selected` of every item, in one pass; each item's logits are its last row's
+    (V,), or with `all_logits` every final row's (n, V)."""
     dev = runner.device
     rows = [it.rows.to(dev) for it in items]
     for it, r in zip(items, rows):
@@ -71,6 +72,9 @@ def forward_batch(runner: Runner, items: list[Rows]) -> list[Selected]:
             cu.append(cu[-1] + r.shape[0])
         ends = [int(r[-1]) + 1 for r in rows]
         x = runner._finish(l, x, _attention(runner, items, l, q, rows, cu, ends, plans, kv_rows))
+    if all_logits:
+        logits = runner._logits(x)  # (N', V)
+        return [Selected(logits[cu[i] : cu[i + 1]], kv_rows[i], out_rows[i], deviations[i]) for i in range(len(items))]
     last = torch.tensor([c - 1 for c in cu[1:]], device=dev)
     logits = runner._logits(x[last])  # (B, V)
     return [Selected(logits[i], kv_rows[i], out_rows[i], deviations[i]) for i in range(len(items))]

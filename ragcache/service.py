@@ -44,6 +44,8 @@ class RagCache(Parts):
     def warm(self, namespace: str | None = "default") -> None:
         """Load every part a request touches, so that request timings hold no one-time work."""
         _ = self.runner, self.prefix, self.stops, self.store, self.embedder, self.index
+        if self.settings.retrieval != "dense":
+            _ = self.lexical
         if namespace is not None:
             self.corpus.refresh(namespace)
 
@@ -56,8 +58,9 @@ class RagCache(Parts):
     def sync_index(self, namespace: str) -> int:
         return self.corpus.sync_index(namespace)
 
-    def search(self, query: str, namespace: str = "default", k: int | None = None) -> list[ChunkHit]:
-        return self.corpus.search(query, namespace, k)
+    def search(self, query: str, namespace: str = "default", k: int | None = None,
+               retrieval: str | None = None) -> list[ChunkHit]:
+        return self.corpus.search(query, namespace, k, retrieval)
 
     def policy_for(self, mode: str, ratio: float | None = None, k: int | None = None):
         return self.generation.policy_for(mode, ratio, k)
