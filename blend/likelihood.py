@@ -46,3 +46,12 @@ def question_likelihood(runner: Runner, prefix: PrefixKV | None, chunks: list[Ch
         scores.append(logp.gather(1, target[:, None]).mean())
         runner.release(it.cache)
     return torch.stack(scores).float().cpu()
+
+
+LEAD = "Question:"  # between the passage and the question, as the prompt puts it
+
+
+def likelihood_ids(tokenizer, question: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lead ids (a,), question ids (m,)) for `question_likelihood`: "Question:" then " " + the question."""
+    enc = lambda text: torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)  # noqa: E731
+    return enc(LEAD), enc(" " + question.strip())

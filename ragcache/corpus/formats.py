@@ -17,7 +17,7 @@ from ..errors import UserError
 from .chunking import Block
 
 SUFFIXES = (".pdf", ".docx", ".html", ".htm", ".md", ".markdown", ".txt")
-_MARKER = re.compile(r"^(\d{1,3}[.)]?|[•·\-–*▪◦])$")  # a list item's number or bullet, set apart from its text
+_MARKER = re.compile(r"^(\d{1,3}[.)]?|[^\w\s])$")  # a list item's number or bullet, set apart from its text
 
 
 class FormatError(UserError):
@@ -82,6 +82,7 @@ def _pdf(data: bytes) -> tuple[str, list[Block]]:
         frags = []
 
         def visit(text, cm, tm, _font, size, frags=frags):
+            text = "".join(ch if ch.isprintable() else " " for ch in text)  # a symbol font's bullet is a control code
             if text.strip():
                 scale = abs(tm[3] * cm[3]) or 1.0
                 frags.append((round(cm[5] + tm[5] * abs(cm[3]), 1), cm[4] + tm[4], size * scale, text.strip()))
@@ -123,6 +124,8 @@ def _pdf_blocks(lines: list) -> list[Block]:
             flush()
             outline.enter(sizes.index(round(size)) + 1, " ".join(t for _, t in cells))
         else:
+            if len(cells) > 1 and _MARKER.match(cells[0][1]) and not cells[0][1][0].isdigit():
+                cells = cells[1:]  # a bullet carries no words
             row = len(cells) > 1 and not _MARKER.match(cells[0][1])
             gap = last is not None and not row and last[1] - y > 1.5 * size  # wider than a line: a new paragraph
             if last is not None and (page != last[0] or gap or bool(table) != row):

@@ -7,7 +7,8 @@ import threading
 import pytest
 from sqlalchemy import select, update
 
-from ragcache.corpus.chunking import SEPARATOR, Document, chunk_document, read_documents
+from ragcache.corpus.chunking import SEPARATOR, Document, chunk_document
+from ragcache.corpus.readers import read_documents
 from ragcache.errors import UserError
 from ragcache.corpus.ingest import ingest_documents
 from ragcache.meta import SCHEMA_VERSION, Chunk, Database, SchemaInfo
@@ -42,17 +43,17 @@ def test_readers_and_their_errors(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.md").write_text("alpha")
     (tmp_path / "docs" / "b.txt").write_text("beta")
-    assert [d.external_id for d in read_documents(tmp_path / "docs")] == ["a.md", "b.txt"]
+    assert [d.external_id for d in read_documents(tmp_path / "docs").documents] == ["a.md", "b.txt"]
     good = tmp_path / "c.jsonl"
     good.write_text('{"id": 1, "title": "T", "text": "x"}\n\n{"id": "2", "text": "y"}\n')
-    assert [(d.external_id, d.title) for d in read_documents(good)] == [("1", "T"), ("2", "")]
+    assert [(d.external_id, d.title) for d in read_documents(good).documents] == [("1", "T"), ("2", "")]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": 1, "text": "x"}\n{"id": 2}\n')
-    with pytest.raises(UserError, match="bad.jsonl:2"):
+    with pytest.raises(UserError, match="bad.jsonl: line 2"):
         read_documents(bad)
     mus = tmp_path / "m.json"
     mus.write_text(json.dumps([{"question": "q", "answers": ["a"], "ctxs": [{"title": "", "text": "same"}] * 2}]))
-    assert len(read_documents(mus)) == 1  # the same passage twice is one document
+    assert len(read_documents(mus).documents) == 1  # the same passage twice is one document
     with pytest.raises(UserError, match="not found"):
         read_documents(tmp_path / "nope.jsonl")
 
