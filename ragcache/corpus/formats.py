@@ -48,7 +48,7 @@ def _utf8(data: bytes) -> str:
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise FormatError(f"is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise FormatError(f"cannot be read as UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def _text(data: bytes) -> tuple[str, list[Block]]:

@@ -57,7 +57,7 @@ def read_file(name: str, data: bytes) -> list[Document]:
         try:
             text = data.decode()
         except UnicodeDecodeError as e:
-            raise FormatError(f"is not UTF-8 text ({e.reason} at byte {e.start})") from None
+            raise FormatError(f"cannot be read as UTF-8 text ({e.reason} at byte {e.start})") from None
         docs = _read_jsonl(name, text) if suffix == ".jsonl" else _read_musique(name, text)
         if not docs:
             raise FormatError("holds no documents")
