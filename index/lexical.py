@@ -1,10 +1,11 @@
-"""Per-namespace BM25 indexes over chunk ids (bm25s: Lucene scoring, k1 1.5, b 0.75; English stop words
-and Snowball stemming through PyStemmer).
+"""Per-namespace BM25 indexes over chunk ids: bm25s's tokenizer (English stop words, words of 2+ characters)
+with PyStemmer's Snowball stemmer, and Lucene's BM25 (k1 1.5, b 0.75) — the scores of `bm25s.BM25()`, which a
+test holds this to.
 
-Texts are tokenized once, as they are added; the BM25 matrix of a namespace is rebuilt from its
-token lists at the first search after a change (bm25s has no incremental add; the rebuild is the
-"build" that `ragcache bench coverage` times per 10K chunks). In memory only: the caller keeps it in
-step with its truth, as it does the FAISS index.
+A text is tokenized and counted once, when it is added; a namespace's score matrix (token → postings of
+(doc, score), numpy, CSC) is rebuilt from those counts at the first search after a change (one sort of
+the postings; bm25s's own build loops over documents in Python and is 2–3× slower). In memory only: the
+caller keeps it in step with its truth, as it does the FAISS index.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import threading
 from dataclasses import dataclass, field
 
 import numpy as np
+
+K1, B = 1.5, 0.75
 
 
 def _tokenizer():
@@ -24,11 +27,18 @@ def _tokenizer():
 
 
 @dataclass
+class _Matrix:
+    ids: np.ndarray  # (n,) int64 chunk ids, one per document column
+    indptr: np.ndarray  # (V + 1,) postings of token t: [indptr[t], indptr[t + 1])
+    docs: np.ndarray  # (nnz,) int32 document column
+    scores: np.ndarray  # (nnz,) float32 idf · tf saturation
+
+
+@dataclass
 class _Part:
     vocab: dict[str, int] = field(default_factory=dict)  # grows only: a removed text's words stay, unmatched
-    docs: dict[int, list[int]] = field(default_factory=dict)  # chunk id → its token ids
-    model: object | None = None  # the BM25 of `ids`, None after a change
-    ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    docs: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # id → (tokens, counts) int32
+    matrix: _Matrix | None = None  # None after a change
 
 
 class LexicalIndex:
@@ -46,15 +56,16 @@ class LexicalIndex:
         with self._lock:
             part = self._part(namespace)
             for i, words in zip(ids, tokens):
-                part.docs[int(i)] = [part.vocab.setdefault(w, len(part.vocab)) for w in words]
-            part.model = None
+                ids_ = np.fromiter((part.vocab.setdefault(w, len(part.vocab)) for w in words), np.int32, len(words))
+                part.docs[int(i)] = tuple(a.astype(np.int32) for a in np.unique(ids_, return_counts=True))
+            part.matrix = None
 
     def remove(self, namespace: str, ids) -> None:
         with self._lock:
             part = self._part(namespace)
             for i in ids:
                 part.docs.pop(int(i), None)
-            part.model = None
+            part.matrix = None
 
     def ids(self, namespace: str) -> set[int]:
         with self._lock:
@@ -65,19 +76,11 @@ class LexicalIndex:
             return len(self._part(namespace).docs)
 
     def build(self, namespace: str) -> None:
-        """The BM25 matrix of what the namespace holds now (done by the first search after a change)."""
-        import bm25s
-        from bm25s.tokenization import Tokenized
-
+        """The score matrix of what the namespace holds now (done by the first search after a change)."""
         with self._lock:
             part = self._part(namespace)
-            if part.model is not None or not part.docs:
-                return
-            part.ids = np.fromiter(part.docs, np.int64, len(part.docs))
-            model = bm25s.BM25()
-            model.index(Tokenized(ids=list(part.docs.values()), vocab=part.vocab), create_empty_token=False,
-                        show_progress=False)
-            part.model = model
+            if part.matrix is None and part.docs:
+                part.matrix = _build(part.docs, len(part.vocab))
 
     def search(self, namespace: str, query: str, k: int) -> list[tuple[int, float]]:
         """Up to k (id, score), best first; only chunks sharing a word with the query score."""
@@ -85,11 +88,29 @@ class LexicalIndex:
         with self._lock:
             self.build(namespace)
             part = self._part(namespace)
-            q = [part.vocab[w] for w in words if w in part.vocab]
-            if part.model is None or not q or k <= 0:
-                return []
-            scores = part.model.get_scores(q)  # (n,) float32, one per id
-            ids = part.ids
+            m, q = part.matrix, [part.vocab[w] for w in words if w in part.vocab]
+        if m is None or not q or k <= 0:
+            return []
+        scores = np.zeros(len(m.ids), np.float32)  # (n,)
+        for t in q:  # a document appears once in a token's postings: plain fancy-index adds are exact
+            a, b = m.indptr[t], m.indptr[t + 1]
+            scores[m.docs[a:b]] += m.scores[a:b]
         top = np.argpartition(-scores, min(k, len(scores)) - 1)[:k]
         top = top[np.argsort(-scores[top], kind="stable")]
-        return [(int(ids[i]), float(scores[i])) for i in top if scores[i] > 0]
+        return [(int(m.ids[i]), float(scores[i])) for i in top if scores[i] > 0]
+
+
+def _build(docs: dict[int, tuple[np.ndarray, np.ndarray]], vocab_size: int) -> _Matrix:
+    ids = np.fromiter(docs, np.int64, len(docs))
+    tokens = np.concatenate([t for t, _ in docs.values()])  # (nnz,)
+    tf = np.concatenate([c for _, c in docs.values()]).astype(np.float32)
+    width = np.fromiter((len(t) for t, _ in docs.values()), np.int64, len(docs))
+    col = np.repeat(np.arange(len(docs), dtype=np.int32), width)  # (nnz,) the document of each posting
+    length = np.bincount(col, weights=tf, minlength=len(docs))  # (n,) tokens per document
+    df = np.bincount(tokens, minlength=vocab_size)
+    idf = np.log1p((len(docs) - df + 0.5) / (df + 0.5)).astype(np.float32)  # Lucene's
+    norm = (K1 * (1 - B + B * length / length.mean())).astype(np.float32)
+    scores = idf[tokens] * tf / (tf + norm[col])
+    order = np.argsort(tokens, kind="stable")
+    indptr = np.concatenate([[0], np.cumsum(df)])
+    return _Matrix(ids, indptr, col[order], scores[order])

@@ -30,3 +30,21 @@ def test_rank_fusion_and_convex_mix():
     assert [i for i, _ in convex(dense, lexical, 1.0, 2)] == [1, 2]  # all dense
     assert [i for i, _ in convex(dense, lexical, 0.0, 2)] == [3, 2]  # all lexical
     assert convex(dense, [], 0.5, 1) == [(1, 0.5)]
+
+
+def test_scores_are_bm25s_lucene_scores():
+    import bm25s
+    import Stemmer
+
+    texts = ["The harbour was dredged in 1901 and again in 1911.", "A harbour master kept the harbour books.",
+             "Ships carried grain, timber and salt.", "Salt from the marshes was the harbour's first trade."]
+    idx = LexicalIndex()
+    idx.add("a", [10, 11, 12, 13], texts)
+    stemmer = Stemmer.Stemmer("english")
+    ref = bm25s.BM25()
+    ref.index(bm25s.tokenize(texts, stopwords="en", stemmer=stemmer, show_progress=False), show_progress=False)
+    for query in ("harbour salt", "dredged harbour 1911", "timber"):
+        q = bm25s.tokenize([query], stopwords="en", stemmer=stemmer, return_ids=False, show_progress=False)[0]
+        want = ref.get_scores(q)
+        got = dict(idx.search("a", query, 4))
+        assert all(abs(got.get(10 + i, 0.0) - float(w)) < 1e-5 for i, w in enumerate(want)), (query, got, want)

@@ -115,6 +115,28 @@ def test_a_database_newer_than_the_code_is_refused_by_name(tmp_path):
         Database(url)
 
 
+def test_a_schema_4_database_gains_heading_and_page_and_keeps_its_chunks(db_url):
+    from sqlalchemy import text
+
+    db = Database(db_url)
+    with db.session() as s:  # back to schema 4: chunks without heading and page, one chunk in them
+        for column in ("heading", "page"):
+            s.execute(text(f"ALTER TABLE chunks DROP COLUMN {column}"))
+        s.execute(update(SchemaInfo).values(version=4))
+        s.execute(text("INSERT INTO documents (namespace, external_id, title, text_hash, created) "
+                       "VALUES ('ns', 'd', '', 'h', CURRENT_TIMESTAMP)"))
+        s.execute(text("INSERT INTO chunks (document_id, namespace, ordinal, text, n_tokens, token_ids, model, state, "
+                       "attempts, created) SELECT id, 'ns', 0, 'old text', 2, :ids, 'fp', 'done', 0, CURRENT_TIMESTAMP "
+                       "FROM documents"), {"ids": b"\x01\x00\x00\x00\x02\x00\x00\x00"})
+    db.dispose()
+    db = Database(db_url)
+    with db.session() as s:
+        assert s.get(SchemaInfo, 1).version == SCHEMA_VERSION
+        [chunk] = s.scalars(select(Chunk)).all()
+        assert (chunk.text, chunk.heading, chunk.page) == ("old text", None, None)
+    db.dispose()
+
+
 def test_a_corpus_ingested_in_float32_serves_a_bfloat16_model(tmp_path, smollm):
     """Chunks depend on the tokenizer, KV on weights and dtypes: the other dtype computes its own KV."""
     from ragcache import RagCache, Settings
