@@ -149,14 +149,14 @@ class Generation:
             raise UserError(f"this conversation does not fit the model's chat template: {e}") from None
         top_k = ask.top_k or p.settings.top_k
         rerank_n = p.settings.rerank if ask.rerank is None else ask.rerank
-        reranking = policy.reads_chunk_kv and rerank_n > top_k  # full prefill reads no KV: nothing to rerank on
+        reranking = rerank_n > top_k
         found = self.corpus.retrieve(ask.query, ask.namespace, rerank_n if reranking else top_k, ask.retrieval)
         if not found:
             raise NotFound(f"namespace {ask.namespace!r} has no precomputed chunks: ingest and precompute first")
-        loaded = None  # (ChunkKVs, tiers) once the reranker loaded them
+        loaded = None  # (ChunkKVs, tiers) once the reranker loaded them, for a policy that reads them
         if reranking:
             found, chunks, tiers = rerank(self, ask.query, ask.namespace, found, top_k)
-            loaded = chunks, tiers
+            loaded = (chunks, tiers) if policy.reads_chunk_kv else None
         times["retrieved"] = time.perf_counter()
         hits, rows = zip(*found)
         self._check_fits(head, rows, suffix, sampling.max_new_tokens)
