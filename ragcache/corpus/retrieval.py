@@ -76,13 +76,13 @@ class Retriever:
             index.add(namespace, ids, [rows[c] for c in ids])
 
     def remove(self, namespace: str, ids: list[int]) -> None:
-        """Drop chunks this process deleted from its loaded indexes at once (others re-sync)."""
+        """Drop chunks this process deleted from its FAISS file and its BM25 index, if loaded, at once
+        (other processes re-sync)."""
         ids = np.asarray(ids, dtype=np.int64)
         if not len(ids):
             return
-        if self.p.loaded("index"):
-            self.p.index.remove(namespace, ids)
-            self.p.index.save(namespace)
+        self.p.index.remove(namespace, ids)
+        self.p.index.save(namespace)
         if self.p.loaded("lexical"):
             self.p.lexical.remove(namespace, ids)
 
