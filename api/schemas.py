@@ -5,9 +5,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ragcache.config import MODES
+from ragcache.config import CHOICES, MODES
 
 Mode = Literal[MODES]  # type: ignore[valid-type]
+Retrieval = Literal[CHOICES["retrieval"]]  # type: ignore[valid-type]
 Namespace = Field(default="default", min_length=1, max_length=128)
 RowId = Annotated[int, Field(ge=1, le=2**31 - 1)]  # a SQL integer key
 
@@ -31,6 +32,9 @@ class GenerateRequest(Strict):
     stream: bool = False
     explain: bool = Field(default=False, description="token strings, chunk spans, recomputed rows, deviations")
     ignore_eos: bool = Field(default=False, description="decode max_tokens tokens whatever the model says")
+    retrieval: Retrieval | None = Field(default=None, description="dense, bm25 or hybrid; default RAGCACHE_RETRIEVAL")
+    rerank: int | None = Field(default=None, ge=0, le=64,
+                               description="rerank this many candidates by query likelihood on their cached KV")
 
 
 class Chunk(BaseModel):
@@ -38,6 +42,8 @@ class Chunk(BaseModel):
     doc_id: str
     score: float
     tier: str
+    heading: str = Field(default="", description="the chunk's heading path in its document, ' > '-joined")
+    page: int | None = Field(default=None, description="its first page, in a PDF")
 
 
 class Usage(BaseModel):
@@ -90,6 +96,8 @@ class RagOptions(Strict):
     recompute_ratio: float | None = Field(default=None, ge=0, le=1)
     epic_k: int | None = Field(default=None, ge=0, le=4096)
     explain: bool = False
+    retrieval: Retrieval | None = None
+    rerank: int | None = Field(default=None, ge=0, le=64)
 
 
 class StreamOptions(BaseModel):

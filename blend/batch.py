@@ -35,9 +35,11 @@ class Rows:
 
 
 @torch.inference_mode()
-def forward_batch(runner: Runner, items: list[Rows], ws: Weights | None = None) -> list[Selected]:
-    """`runner.forward_selected` of every item, in one pass; each item's logits are its last row's.
-    `ws`: the matrices to multiply by (default the runner's prefill ones, `runner.w`)."""
+def forward_batch(runner: Runner, items: list[Rows], ws: Weights | None = None,
+                  all_logits: bool = False) -> list[Selected]:
+    """`runner.forward_selected` of every item, in one pass; each item's logits are its last row's (V,), or with
+    `all_logits` every final row's (n, V). `ws`: the matrices to multiply by (default the runner's prefill ones,
+    `runner.w`)."""
     ws = ws or runner.w
     dev = runner.device
     rows = [it.rows.to(dev) for it in items]
@@ -74,6 +76,9 @@ def forward_batch(runner: Runner, items: list[Rows], ws: Weights | None = None) 
             cu.append(cu[-1] + r.shape[0])
         ends = [int(r[-1]) + 1 for r in rows]
         x = runner._finish(ws, l, x, _attention(runner, items, l, q, rows, cu, ends, plans, kv_rows))
+    if all_logits:
+        logits = runner._logits(ws, x)  # (N', V)
+        return [Selected(logits[cu[i] : cu[i + 1]], kv_rows[i], out_rows[i], deviations[i]) for i in range(len(items))]
     last = torch.tensor([c - 1 for c in cu[1:]], device=dev)
     logits = runner._logits(ws, x[last])  # (B, V)
     return [Selected(logits[i], kv_rows[i], out_rows[i], deviations[i]) for i in range(len(items))]

@@ -27,10 +27,13 @@ def _ingest(args, settings) -> int:
     from .service import RagCache
 
     with RagCache(settings) as service:
-        print(service.ingest(args.path, args.namespace).line())
+        report = service.ingest(args.path, args.namespace)
         counts = service.counts(args.namespace)
+    print(report.line())
     print("chunks by state: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
-    return 0
+    for error in report.errors:
+        print(f"ragcache: not ingested: {error}", file=sys.stderr)
+    return 1 if report.errors else 0
 
 
 def _precompute(args, settings) -> int:
@@ -46,10 +49,11 @@ def _search(args, settings) -> int:
     from .service import RagCache
 
     with RagCache(settings) as service:
-        hits = service.search(args.query, args.namespace, args.k)
+        hits = service.search(args.query, args.namespace, args.k, args.retrieval)
     for hit in hits:
         words = " ".join(hit.text.split()[:14])
-        print(f"{hit.id:>7}  {hit.score:.4f}  {hit.doc_id}  {words}…")
+        where = f" p.{hit.page}" if hit.page else ""
+        print(f"{hit.id:>7}  {hit.score:.4f}  {hit.doc_id}{where}  {words}…")
     return 0
 
 
@@ -60,7 +64,7 @@ def _ask(args, settings) -> int:
 
     with RagCache(settings) as service:
         out = service.generate(args.question, args.namespace, args.k, args.mode, ratio=args.ratio, k=args.epic_k,
-                               max_new_tokens=args.max_new_tokens)
+                               max_new_tokens=args.max_new_tokens, retrieval=args.retrieval, rerank=args.rerank)
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -70,6 +74,9 @@ def _ask(args, settings) -> int:
           f"decode {t['decode']:.0f} ms; total {t['total']:.0f} ms")
     print(f"prompt {u['prompt_tokens']} tokens, recomputed {u['recomputed_tokens']}, "
           f"completion {u['completion_tokens']}; chunks from " + ", ".join(c["tier"] for c in out["chunks"]))
+    for c in out["chunks"]:
+        print(f"  [{c['doc_id']}" + (f" p.{c['page']}" if c["page"] else "") + (f" § {c['heading']}" if c["heading"]
+                                                                                 else "") + "]")
     return 0
 
 
@@ -114,7 +121,7 @@ def _eval_config(args, settings):
                       probe_ratios=args.probe_ratios, probe_epic_k=args.probe_epic_k, probe_layers=args.probe_layers,
                       ape=args.ape or [], a3_ratios=args.a3_ratios,
                       a3_window=args.a3_window, blendq_ratios=args.blendq_ratios,
-                      top_k=args.top_k, retrieval=args.retrieval,
+                      top_k=args.top_k, retrieval=args.retrieval, rerank=args.rerank,
                       chunk_prefill=args.chunk_prefill or settings.chunk_prefill,
                       kv_dtype=args.kv_dtype, codec=settings.kv_codec, tier=args.tier, limit=args.limit,
                       max_new_tokens=args.max_new_tokens)
@@ -171,7 +178,10 @@ def _add_eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--a3-window", type=int, default=2, help="a3, blendq: ± neighbours the attention is smoothed over")
     p.add_argument("--blendq-ratios", type=_floats, default=[0.12], help="blendq (deviation and attention ranks)")
     p.add_argument("--top-k", type=_positive, default=4)
-    p.add_argument("--retrieval", choices=["given", "faiss"], default="given")
+    p.add_argument("--retrieval", choices=["given", *CHOICES["retrieval"]], default="given",
+                   help="given: each question's own passages; else retrieve over all the file's passages")
+    p.add_argument("--rerank", type=int, default=0,
+                   help="with --retrieval: rerank this many candidates by query likelihood on their chunk KV")
     p.add_argument("--chunk-prefill", choices=CHOICES["chunk_prefill"], default=None,
                    help="default: the RAGCACHE_CHUNK_PREFILL setting (prefixed)")
     p.add_argument("--kv-dtype", choices=CHOICES["kv_dtype"], default="auto")
@@ -208,10 +218,14 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     b.add_argument("--dataset", default="demo/data/musique_dev.json",
                    help="blend, precompute, coverage: MuSiQue-format file")
     b.add_argument("--question", type=int, default=0, help="blend: which question's passages")
-    b.add_argument("--passages", type=_ints, default=[4, 10], help="blend: passage counts; coverage: top-k values")
+    b.add_argument("--passages", type=_ints, default=None,
+                   help="blend: passage counts (4,10); coverage: top-k values (1,2,4,8,10)")
     b.add_argument("--chunk-prefill", choices=CHOICES["chunk_prefill"], default="alone")
     b.add_argument("--window", type=int, default=0,
                    help="coverage: index passages cut into pieces of at most this many embedder tokens (0: whole)")
+    b.add_argument("--questions", default=None, help="coverage: A-B, the questions measured (default: all)")
+    b.add_argument("--rerank", type=int, default=20, help="coverage: hybrid candidates the reranker orders (0: none)")
+    b.add_argument("--json", action="store_true", help="coverage: print the results as JSON")
     b.add_argument("--chunks", type=_positive, default=None, help="precompute: chunks (40); retrieval: index size (10000)")
     b.add_argument("--seconds", type=_positive, default=60, help="http: how long the load runs")
     b.add_argument("--clients", type=_ints, default=[1, 4, 8, 16], help="serve: concurrent clients, comma-separated")
@@ -228,7 +242,8 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     b.add_argument("--llama-bench", default=None, help="decode: llama.cpp's llama-bench (default: the one on PATH)")
     b.set_defaults(func=_bench)
 
-    i = sub.add_parser("ingest", help="add documents: a .jsonl, a MuSiQue-format .json, or a folder of .txt/.md")
+    i = sub.add_parser("ingest", help="add documents: PDF, DOCX, HTML, Markdown, text, .jsonl or MuSiQue .json "
+                                      "files, or a folder of them")
     i.add_argument("path")
     i.add_argument("--namespace", default="default")
     i.set_defaults(func=_ingest)
@@ -245,6 +260,7 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     se.add_argument("query")
     se.add_argument("-k", type=_positive, default=None)
     se.add_argument("--namespace", default="default")
+    se.add_argument("--retrieval", choices=CHOICES["retrieval"], default=None, help="default: RAGCACHE_RETRIEVAL")
     se.set_defaults(func=_search)
 
     a = sub.add_parser("ask", help="retrieve, blend, answer")
@@ -257,6 +273,9 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     a.add_argument("--max-new-tokens", type=_positive, default=None)
     a.add_argument("--namespace", default="default")
     a.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    a.add_argument("--retrieval", choices=CHOICES["retrieval"], default=None, help="default: RAGCACHE_RETRIEVAL")
+    a.add_argument("--rerank", type=int, default=None,
+                   help="rerank this many candidates by query likelihood on their cached KV (RAGCACHE_RERANK)")
     a.set_defaults(func=_ask)
 
     ev = sub.add_parser("eval", help="quality vs latency of every mode against full prefill")

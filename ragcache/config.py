@@ -18,6 +18,7 @@ CHOICES = {
     "decode_weights": ("model", "float16"),
     "chunk_prefill": ("prefixed", "alone"),
     "index_kind": ("flat", "ivf", "hnsw"),
+    "retrieval": ("dense", "bm25", "hybrid"),
     "mode": MODES,
     "eviction": ("gdsf", "lru"),
     "write_policy": ("write-through", "write-back"),
@@ -63,6 +64,8 @@ class Settings(BaseSettings):
     chunk_tokens: int = 512
     chunk_prefill: str = "prefixed"  # prefixed (behind the system prompt: measured better) | alone
     index_kind: str = "flat"  # flat | ivf | hnsw
+    retrieval: str = "hybrid"  # dense (FAISS) | bm25 | hybrid (both, rank-fused: measured best)
+    rerank: int = 0  # > 0: score this many retrieved candidates by query likelihood against their cached KV
     precompute_batch: int = 8
     lease_seconds: int = 600  # a claimed chunk goes back to the pool if its worker is silent this long
     precompute_attempts: int = 3  # a chunk whose prefill fails this often stays failed (--retry-failed)
@@ -100,8 +103,8 @@ class Settings(BaseSettings):
     def db_url(self) -> str:
         return self.database_url or f"sqlite:///{self.home / 'ragcache.db'}"
 
-    @field_validator(*"dtype kv_dtype kv_cache_dtype decode_weights chunk_prefill index_kind mode eviction write_policy "
-                      "admission".split())
+    @field_validator(*"dtype kv_dtype kv_cache_dtype decode_weights chunk_prefill index_kind retrieval mode eviction "
+                      "write_policy admission".split())
     @classmethod
     def _choice(cls, v: str, info: ValidationInfo) -> str:
         allowed = CHOICES[info.field_name]
@@ -142,7 +145,7 @@ class Settings(BaseSettings):
         return v
 
     @field_validator("gpu_cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "redis_cache_bytes", "epic_k",
-                     "threads", "job_threads", "retry_backoff_s", "orphan_grace_s", "probe_layers")
+                     "threads", "job_threads", "retry_backoff_s", "orphan_grace_s", "probe_layers", "rerank")
     @classmethod
     def _nonneg(cls, v: float) -> float:
         if v < 0:

@@ -26,7 +26,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from .errors import UserError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 _SCHEMA_LOCK = 0x7261676361636865  # PostgreSQL advisory lock key ("ragcache") for schema changes
 _MIGRATIONS: dict[int, list[str]] = {  # version → DDL statements that bring version-1 up to it
     2: ["ALTER TABLE jobs ADD COLUMN error TEXT"],  # (index_versions is a new table: create_all makes it)
@@ -35,6 +35,7 @@ _MIGRATIONS: dict[int, list[str]] = {  # version → DDL statements that bring v
     4: ["ALTER TABLE kv_entries ADD COLUMN cost_s FLOAT",  # where a blob is moves to kv_copies, per store:
         "CREATE TABLE legacy_disk_copies AS SELECT key, bytes, checksum FROM kv_entries WHERE on_disk",
         *[f"ALTER TABLE kv_entries DROP COLUMN {c}" for c in ("on_disk", "in_redis", "bytes", "checksum")]],
+    5: ["ALTER TABLE chunks ADD COLUMN heading TEXT", "ALTER TABLE chunks ADD COLUMN page INTEGER"],
 }
 
 
@@ -77,6 +78,8 @@ class Chunk(Base):
     namespace: Mapped[str] = mapped_column(String(128), index=True)
     ordinal: Mapped[int] = mapped_column(Integer)
     text: Mapped[str] = mapped_column(Text)
+    heading: Mapped[str | None] = mapped_column(Text, nullable=True)  # its heading path, " > "-joined
+    page: Mapped[int | None] = mapped_column(Integer, nullable=True)  # 1-based, in a PDF
     n_tokens: Mapped[int] = mapped_column(Integer)
     token_ids: Mapped[bytes] = mapped_column(LargeBinary)  # int32, the model's tokenizer
     model: Mapped[str] = mapped_column(String(64))  # fingerprint of the model whose tokenizer made them

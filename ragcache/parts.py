@@ -1,7 +1,7 @@
 """The parts every role of the service shares, each loaded on first use, once, thread-safely.
 
 model, runner, tokenizer, chat frame, the system prompt's exact prefix KV, the tiered store,
-the embedder and the FAISS indexes. `search` never loads the LLM; a server warms them all at
+the embedder, the FAISS and the BM25 indexes. `search` never loads the LLM; a server warms them all at
 start so that no request pays a one-time cost.
 """
 from __future__ import annotations
@@ -98,6 +98,13 @@ class Parts:
         from index import VectorIndex
 
         return VectorIndex(self.settings.home / "index", self.embedder.dim, self.settings.index_kind)
+
+    @part
+    def lexical(self):
+        """Per-namespace BM25 indexes, in memory: filled from SQL by the first search that needs one."""
+        from index import LexicalIndex
+
+        return LexicalIndex()
 
     @property
     def kv_dtype(self) -> str:

@@ -44,6 +44,8 @@ class RagCache(Parts):
     def warm(self, namespace: str | None = "default") -> None:
         """Load every part a request touches, so that request timings hold no one-time work."""
         _ = self.runner, self.prefix, self.stops, self.store, self.embedder, self.index
+        if self.settings.retrieval != "dense":
+            _ = self.lexical
         if namespace is not None:
             self.corpus.refresh(namespace)
 
@@ -56,17 +58,19 @@ class RagCache(Parts):
     def sync_index(self, namespace: str) -> int:
         return self.corpus.sync_index(namespace)
 
-    def search(self, query: str, namespace: str = "default", k: int | None = None) -> list[ChunkHit]:
-        return self.corpus.search(query, namespace, k)
+    def search(self, query: str, namespace: str = "default", k: int | None = None,
+               retrieval: str | None = None) -> list[ChunkHit]:
+        return self.corpus.search(query, namespace, k, retrieval)
 
     def policy_for(self, mode: str, ratio: float | None = None, k: int | None = None):
         return self.generation.policy_for(mode, ratio, k)
 
     def generate(self, query: str, namespace: str = "default", top_k: int | None = None, mode: str | None = None,
                  ratio: float | None = None, k: int | None = None, max_new_tokens: int | None = None,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> dict:
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, retrieval: str | None = None,
+                 rerank: int | None = None) -> dict:
         return self.generation.generate(Ask(query, namespace, top_k, mode, ratio, k, max_new_tokens, temperature,
-                                            top_p, seed))
+                                            top_p, seed, retrieval=retrieval, rerank=rerank))
 
     def close(self) -> None:
         self.jobs.close()

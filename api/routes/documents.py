@@ -1,5 +1,6 @@
-"""Documents: POST /v1/documents (a JSON list, {"documents": [...]}, or a JSONL body), then a
-precompute job unless `precompute=false`; GET and DELETE /v1/documents/{id}."""
+"""Documents: POST /v1/documents (a JSON list, {"documents": [...]}, a JSONL body, or files as
+multipart/form-data: PDF, DOCX, HTML, Markdown, text, .jsonl, MuSiQue .json), then a precompute job
+unless `precompute=false`; GET and DELETE /v1/documents/{id}."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,8 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ragcache.corpus.chunking import Document
-from ragcache.errors import Conflict
+from ragcache.corpus.readers import read_file
+from ragcache.errors import Conflict, UserError
 
 from ..auth import Caller, caller
 from ..deps import on_prep_thread, service
@@ -25,7 +27,11 @@ _BODY = {"requestBody": {"required": True, "content": {
                                               {"type": "object", "required": ["documents"],
                                                "properties": {"documents": {"type": "array", "items": _DOC,
                                                                             "minItems": 1}}}]}},
-    "application/x-ndjson": {"schema": {"type": "string", "description": "one JSON document a line"}}}}}
+    "application/x-ndjson": {"schema": {"type": "string", "description": "one JSON document a line"}},
+    "multipart/form-data": {"schema": {"type": "object", "properties": {"files": {
+        "type": "array", "items": {"type": "string", "format": "binary"},
+        "description": "PDF, DOCX, HTML, Markdown, text, .jsonl or MuSiQue .json files; each is named by its "
+                       "file name, and one that cannot be read is listed in `errors`"}}}}}}}
 
 
 def _parse(raw: bytes, content_type: str) -> list[Document]:
@@ -68,7 +74,12 @@ def _parse(raw: bytes, content_type: str) -> list[Document]:
 async def add_documents(request: Request, namespace: str = Query("default", min_length=1, max_length=128),
                         precompute: bool = True, who: Caller = Depends(caller)):
     who.allow(namespace)
-    docs = _parse(await request.body(), request.headers.get("content-type", "application/json"))
+    content_type = request.headers.get("content-type", "application/json")
+    errors: list[str] = []
+    if content_type.startswith("multipart/form-data"):
+        docs, errors = await _files(request)
+    else:
+        docs = _parse(await request.body(), content_type)
     svc = service(request)
     report = await on_prep_thread(request, lambda: svc.corpus.ingest_documents(docs, namespace))
     job, job_error = None, None
@@ -80,7 +91,28 @@ async def add_documents(request: Request, namespace: str = Query("default", min_
     return {"namespace": namespace,
             "documents": {"added": report.added, "unchanged": report.unchanged, "replaced": report.replaced},
             "chunks": {"added": report.chunks_added, "removed": report.chunks_removed}, "job": job,
-            "job_error": job_error}
+            "job_error": job_error, "errors": errors}
+
+
+async def _files(request: Request) -> tuple[list[Document], list[str]]:
+    """Every uploaded file's documents, and "name: why" for each file that cannot be read."""
+    async with request.form() as form:
+        uploads = [(key, v) for key, v in form.multi_items() if not isinstance(v, str)]
+        if not uploads:
+            raise ApiError(422, "a multipart body needs at least one file", "files")
+        docs, errors = [], []
+        for _key, upload in uploads:
+            name = (upload.filename or "").strip() or "upload"
+            try:
+                docs += await run_in_threadpool(read_file, name, await upload.read())
+            except UserError as e:
+                errors.append(f"{name}: {e}")
+    ids = [d.external_id for d in docs]
+    if len(set(ids)) != len(ids):
+        raise ApiError(422, "document ids (file names) repeat within the request", "files")
+    if not docs:
+        raise ApiError(422, "no file could be read: " + "; ".join(errors), "files")
+    return docs, errors
 
 
 @router.get("/v1/documents/{doc_id:path}")

@@ -46,7 +46,7 @@ def _ask(req: ChatRequest) -> Ask:
     return Ask(query, rag.namespace, rag.top_k, rag.mode, rag.recompute_ratio, rag.epic_k,
                req.max_completion_tokens or req.max_tokens, req.temperature, req.top_p, req.seed,
                history=tuple(history), system="\n\n".join(system) if system else None, explain=rag.explain,
-               ignore_eos=req.ignore_eos)
+               ignore_eos=req.ignore_eos, retrieval=rag.retrieval, rerank=rag.rerank)
 
 
 def _usage(result: dict) -> dict:

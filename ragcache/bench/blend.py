@@ -24,7 +24,7 @@ def run(settings, args) -> int:
     frame = chat_frame(tok, settings.system_prompt)
     prefix = compute_prefix(runner, as_ids(frame.head))
     suffix = as_ids(encode(tok, "\nQuestion: " + item["question"]) + frame.tail)
-    for n in args.passages:
+    for n in args.passages or [4, 10]:
         texts = [c["text"] + "\n\n" for c in item["ctxs"][:n]]
         chunks = [compute_chunk(runner, as_ids(encode(tok, t)), None if args.chunk_prefill == "alone" else prefix)
                   for t in texts]

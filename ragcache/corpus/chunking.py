@@ -1,20 +1,31 @@
-"""Documents from files, and documents → token chunks with the model's tokenizer.
+"""Documents → token chunks with the model's tokenizer, along the document's structure.
 
-Formats: JSONL (`{"id", "title", "text"}` a line), the MuSiQue/CacheBlend JSON (each ctx a
-document), or a folder of .txt / .md files. A document under the limit is one chunk; longer
-ones are cut at word boundaries. A chunk's tokens are its text (after the title line, if any)
-followed by a blank line, the separator between passages in a prompt.
+A document is a title and blocks (paragraphs, list items, tables), each under its heading path
+(`formats` reads them from files; a plain text is its paragraphs). Chunks split on headings and
+paragraphs before tokens: blocks of one section are packed together up to the limit; a block over it
+is cut at sentence ends (a sentence over it at word starts, a table between rows); a chunk under
+`MIN_TOKENS` takes in the subsections that follow it (their heading lines in its text) rather than
+leave a small piece to repair at every seam. Every chunk starts with its title and heading path
+("Report > Results > 2021") — what is embedded and indexed, and what the prompt shows, so a table
+never loses its heading — and ends with a blank line, the separator between passages in a prompt.
 """
 from __future__ import annotations
 
 import hashlib
-import json
-from dataclasses import dataclass
-from pathlib import Path
-
-from ..errors import UserError
+import re
+from dataclasses import dataclass, field
 
 SEPARATOR = "\n\n"
+MIN_TOKENS = 128  # a smaller chunk absorbs the subsections after it
+_SENTENCE_END = re.compile(r"[.!?…][\"')\]]*\s+")
+
+
+@dataclass(frozen=True)
+class Block:
+    text: str
+    heading: tuple[str, ...] = ()  # the headings above it, outermost first
+    page: int | None = None  # 1-based, PDF only
+    is_table: bool = False  # rows a line, cells " | "-separated
 
 
 @dataclass(frozen=True)
@@ -22,6 +33,18 @@ class Document:
     external_id: str
     title: str
     text: str
+    blocks: tuple[Block, ...] = ()  # a file's structure; empty: `text` by paragraphs
+
+    @classmethod
+    def of_blocks(cls, external_id: str, title: str, blocks: list[Block]) -> "Document":
+        """A structured document; its text (what is hashed) holds every heading and block in order."""
+        lines, path = [], ()
+        for b in blocks:
+            if b.heading != path:
+                lines.append(" > ".join(b.heading))
+                path = b.heading
+            lines.append(b.text)
+        return cls(external_id, title, "\n\n".join(lines), tuple(blocks))
 
     @property
     def text_hash(self) -> str:
@@ -31,87 +54,118 @@ class Document:
 @dataclass(frozen=True)
 class ChunkSpec:
     ordinal: int
-    text: str  # what the prompt shows (title line included)
+    text: str  # what the prompt shows (title and heading path line included)
     token_ids: list[int]  # text + SEPARATOR
+    heading: str = ""  # the heading path, " > "-joined
+    page: int | None = None
 
 
-def read_documents(path: Path) -> list[Document]:
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md") and p.is_file())
-        if not files:
-            raise UserError(f"{path} holds no .txt or .md files")
-        return [Document(str(p.relative_to(path)), p.stem, p.read_text(errors="replace")) for p in files]
-    if not path.is_file():
-        raise UserError(f"{path} not found")
-    readers = {".jsonl": _read_jsonl, ".json": _read_musique}
-    if path.suffix not in readers:
-        raise UserError(f"{path}: expected a .jsonl or .json file or a folder of .txt/.md files")
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} cannot be read as UTF-8 text: {e}") from None
-    docs = readers[path.suffix](path, text)
-    if not docs:
-        raise UserError(f"{path} holds no documents")
-    return docs
-
-
-def _read_jsonl(path: Path, text: str) -> list[Document]:
-    docs = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{n}: not JSON ({e.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("text"), str) or "id" not in row:
-            raise UserError(f'{path}:{n}: each line needs "id" and a string "text"')
-        docs.append(Document(str(row["id"]), str(row.get("title") or ""), row["text"]))
-    return docs
-
-
-def _read_musique(path: Path, text: str) -> list[Document]:
-    try:
-        data = json.loads(text)
-        ctxs = [c for item in data for c in item["ctxs"]]
-        docs = {}
-        for c in ctxs:
-            doc = Document("", str(c.get("title") or ""), str(c["text"]))
-            docs.setdefault(doc.text_hash, Document(f"ctx-{doc.text_hash[:16]}", doc.title, doc.text))
-        return list(docs.values())
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise UserError(f'{path}: expected a list of {{"question", "answers", "ctxs": [{{"title", "text"}}]}} '
-                        f"({type(e).__name__}: {e})") from None
+@dataclass
+class _Draft:
+    heading: tuple[str, ...]
+    page: int | None
+    budget: int
+    parts: list[str] = field(default_factory=list)
+    tokens: int = 0
+    last: tuple[str, ...] = ()  # the heading path of the last block added
 
 
 def chunk_document(tokenizer, doc: Document, max_tokens: int) -> list[ChunkSpec]:
-    """Greedy token windows of at most `max_tokens` (title and separator included), cut where a
-    word starts; a single word longer than a window is the only thing ever cut mid-word."""
-    head = f"{doc.title}\n" if doc.title else ""
-    overhead = len(_encode(tokenizer, head + SEPARATOR)) + 2
-    budget = max(16, max_tokens - overhead)
-    enc = tokenizer(doc.text, add_special_tokens=False, return_offsets_mapping=True)
-    offsets = enc["offset_mapping"]
+    """Chunks of at most `max_tokens` (title, heading path and separator included)."""
+    blocks = doc.blocks or tuple(Block(p.strip()) for p in re.split(r"\n\s*\n", doc.text) if p.strip())
+    drafts: list[_Draft] = []
+    for block in blocks or (Block(doc.text.strip()),):
+        budget = _budget(tokenizer, doc.title, block.heading, max_tokens)
+        for piece in _split(tokenizer, block, budget):
+            n = _count(tokenizer, piece) + 2
+            cur = drafts[-1] if drafts else None
+            if cur is not None and _joins(cur, block.heading):
+                line = " > ".join(block.heading[len(cur.heading):]) if block.heading != cur.last else ""
+                extra = n + (_count(tokenizer, line) + 2 if line else 0)
+                if cur.tokens + extra <= cur.budget:
+                    cur.parts += [line, piece] if line else [piece]
+                    cur.tokens, cur.last = cur.tokens + extra, block.heading
+                    continue
+            drafts.append(_Draft(block.heading, block.page, budget, [piece], n, block.heading))
+    chunks: list[ChunkSpec] = []
+    for d in drafts:
+        for text in _fit(tokenizer, _head(doc.title, d.heading), d.parts, max_tokens):
+            chunks.append(ChunkSpec(len(chunks), text, _encode(tokenizer, text + SEPARATOR), " > ".join(d.heading),
+                                    d.page))
+    return chunks
+
+
+def _joins(cur: _Draft, heading: tuple[str, ...]) -> bool:
+    """The next block may join the open chunk: same section, or a subsection of a chunk still small."""
+    return heading == cur.heading or (cur.tokens < MIN_TOKENS and heading[: len(cur.heading)] == cur.heading)
+
+
+def _head(title: str, heading: tuple[str, ...]) -> str:
+    line = " > ".join(t for t in (title, *heading) if t)
+    return f"{line}\n" if line else ""
+
+
+def _budget(tokenizer, title: str, heading: tuple[str, ...], max_tokens: int) -> int:
+    return max(16, max_tokens - _count(tokenizer, _head(title, heading) + SEPARATOR) - 2)
+
+
+def _fit(tokenizer, head: str, parts: list[str], max_tokens: int) -> list[str]:
+    """head + parts as one chunk text, halved until each is within the limit (joins can tokenize a
+    little longer than their parts counted alone)."""
+    text = head + "\n\n".join(parts)
+    if len(parts) == 1 or _count(tokenizer, text + SEPARATOR) <= max_tokens:
+        return [text]
+    half = len(parts) // 2
+    return _fit(tokenizer, head, parts[:half], max_tokens) + _fit(tokenizer, head, parts[half:], max_tokens)
+
+
+def _split(tokenizer, block: Block, budget: int) -> list[str]:
+    """A block as pieces within `budget`: whole if it fits; else a table by rows, a paragraph by
+    sentences, and only a sentence (or row) longer than the budget at word starts."""
+    limit = budget - 2
+    if _count(tokenizer, block.text) <= limit:
+        return [block.text]
+    if block.is_table:
+        starts = [m.start() for m in re.finditer(r"^", block.text, re.M)]
+    else:
+        starts = [0, *(m.end() for m in _SENTENCE_END.finditer(block.text))]
+    spans = list(zip(starts, [*starts[1:], len(block.text)]))
+    pieces, start, used = [], None, 0
+    for a, b in spans:
+        n = _count(tokenizer, block.text[a:b]) + 1
+        if start is not None and used + n > limit:
+            pieces.append(block.text[start:a])
+            start = None
+        if n > limit:
+            pieces += _cut_words(tokenizer, block.text[a:b], limit)
+            continue
+        if start is None:
+            start, used = a, 0
+        used += n
+    if start is not None:
+        pieces.append(block.text[start:])
+    return [p.strip() for p in pieces if p.strip()]
+
+
+def _cut_words(tokenizer, text: str, budget: int) -> list[str]:
+    """Greedy token windows of at most `budget`, cut where a word starts; a single word longer than a
+    window is the only thing ever cut mid-word."""
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     n = len(offsets)
-    starts_word = [i == 0 or doc.text[offsets[i][0] - 1 : offsets[i][0]].isspace()
-                   or doc.text[offsets[i][0] : offsets[i][0] + 1].isspace() for i in range(n)]
+    starts_word = [i == 0 or text[offsets[i][0] - 1 : offsets[i][0]].isspace()
+                   or text[offsets[i][0] : offsets[i][0] + 1].isspace() for i in range(n)]
     pieces, start = [], 0
     while start < n:
         end = min(start + budget, n)
         if end < n:
-            cut = next((b for b in range(end, start + budget // 2, -1) if starts_word[b]), end)
-            end = cut
-        text = doc.text[offsets[start][0] : offsets[end - 1][1]].strip()
-        if text:
-            pieces.append(text)
+            end = next((b for b in range(end, start + budget // 2, -1) if starts_word[b]), end)
+        pieces.append(text[offsets[start][0] : offsets[end - 1][1]])
         start = end
-    chunks = []
-    for piece in pieces or [doc.text.strip()]:
-        body = head + piece
-        chunks.append(ChunkSpec(len(chunks), body, _encode(tokenizer, body + SEPARATOR)))
-    return chunks
+    return pieces
+
+
+def _count(tokenizer, text: str) -> int:
+    return len(_encode(tokenizer, text))
 
 
 def _encode(tokenizer, text: str) -> list[int]:

@@ -1,25 +1,24 @@
-"""The corpus role: documents in and out of SQL, and retrieval over each namespace's FAISS index.
+"""The corpus role: documents in and out of SQL, and retrieval over each namespace's indexes.
 
-SQL is the truth; a process's FAISS index is a cache of the namespace's done chunks. Every
-change to what a namespace can retrieve bumps its `index_versions` row (ingest replacing a
-document, precompute finishing chunks, a delete), whichever process made it; `retrieve` reads
-that number (one small SELECT) and re-syncs the index only when it moved.
+SQL is the truth; a process's FAISS and BM25 indexes are caches of the namespace's done chunks,
+kept in step by `retrieval.Retriever` (every change bumps the namespace's `index_versions` row:
+ingest replacing a document, precompute finishing chunks, a delete, whichever process made it).
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from sqlalchemy import delete, select
 
 from ..errors import NotFound, UserError
 from ..meta import Chunk, bump_index_versions
 from ..meta import Document as DocRow
-from .chunking import Document, read_documents
+from .chunking import Document
 from .ingest import IngestReport, corpus_counts, ingest_documents, same_tokenizer
+from .readers import read_documents
+from .retrieval import Retriever
 
 
 @dataclass(frozen=True)
@@ -28,18 +27,25 @@ class ChunkHit:
     doc_id: str
     score: float
     text: str
+    heading: str = ""  # its heading path, " > "-joined
+    page: int | None = None
 
 
 class Corpus:
     def __init__(self, parts):
         self.p = parts
-        self._synced: dict[str, int] = {}  # namespace → index version this process's index holds
-        self._sync_lock = threading.Lock()
+        self.retriever = Retriever(parts)
 
     # ---- documents -----------------------------------------------------------------------------
 
     def ingest(self, path: str | Path, namespace: str = "default") -> IngestReport:
-        return self.ingest_documents(read_documents(Path(path)), namespace)
+        """A file or a folder; a folder's files that cannot be read are in the report's `errors`."""
+        reading = read_documents(Path(path))
+        if not reading.documents:
+            raise UserError(f"{path}: no file could be read: " + "; ".join(reading.errors))
+        report = self.ingest_documents(reading.documents, namespace)
+        report.errors = reading.errors
+        return report
 
     def ingest_documents(self, docs: list[Document], namespace: str = "default") -> IngestReport:
         if not docs:
@@ -47,9 +53,7 @@ class Corpus:
         p = self.p
         report = ingest_documents(p.db, p.tokenizer, same_tokenizer(p.model), docs, namespace,
                                   p.settings.chunk_tokens, key_of=lambda ids: p.kv_key_of(torch.tensor(ids), namespace))
-        if report.removed_chunk_ids:
-            p.index.remove(namespace, np.asarray(report.removed_chunk_ids))
-            p.index.save(namespace)
+        self.retriever.remove(namespace, report.removed_chunk_ids)
         for key in report.orphan_kv_keys:
             p.store.delete(key)
         return report
@@ -76,10 +80,7 @@ class Corpus:
             keys = {k for _, k in chunks if k}
             shared = set(s.scalars(select(Chunk.kv_key).where(Chunk.kv_key.in_(keys)))) if keys else set()
             bump_index_versions(s, [namespace])
-        ids = np.asarray([cid for cid, _ in chunks], dtype=np.int64)
-        if len(ids) and self.p.loaded("index"):
-            self.p.index.remove(namespace, ids)
-            self.p.index.save(namespace)
+        self.retriever.remove(namespace, [cid for cid, _ in chunks])
         for key in keys - shared:
             self.p.store.delete(key)
         return {"id": external_id, "namespace": namespace, "chunks_removed": len(chunks),
@@ -98,51 +99,29 @@ class Corpus:
     # ---- retrieval -----------------------------------------------------------------------------
 
     def refresh(self, namespace: str) -> None:
-        """Re-sync the namespace's index if another process (or this one) changed what it holds."""
-        if self._synced.get(namespace) != self.p.db.index_version(namespace):
-            self.sync_index(namespace)
+        self.retriever.refresh(namespace, ("dense", "bm25") if self.p.loaded("lexical") else ("dense",))
 
     def sync_index(self, namespace: str) -> int:
-        """Make the namespace's index hold exactly its done chunks' embeddings; returns the changes."""
-        db, index = self.p.db, self.p.index
-        with self._sync_lock:
-            version = db.index_version(namespace)  # read first: a change after it re-syncs next time
-            with db.session() as s:
-                want = set(s.scalars(select(Chunk.id).where(Chunk.namespace == namespace, Chunk.state == "done",
-                                                            Chunk.embedding.is_not(None))))
-            have = index.ids(namespace)
-            extra = np.asarray(sorted(have - want), dtype=np.int64)
-            missing = sorted(want - have)
-            if len(extra):
-                index.remove(namespace, extra)
-            for i in range(0, len(missing), 1000):
-                ids = missing[i : i + 1000]
-                with db.session() as s:
-                    rows = dict(s.execute(select(Chunk.id, Chunk.embedding).where(Chunk.id.in_(ids))).all())
-                ids = [c for c in ids if rows.get(c) is not None]  # deleted since: the next sync sees it
-                if ids:
-                    vecs = np.stack([np.frombuffer(rows[c], dtype=np.float32) for c in ids])
-                    index.add(namespace, np.asarray(ids, dtype=np.int64), vecs)
-            if len(extra) or missing:
-                index.save(namespace)
-            self._synced[namespace] = version
-            return len(missing) + len(extra)
+        return self.retriever.sync(namespace)
 
-    def search(self, query: str, namespace: str = "default", k: int | None = None) -> list[ChunkHit]:
-        return [hit for hit, _ in self.retrieve(query, namespace, k)]
+    def search(self, query: str, namespace: str = "default", k: int | None = None,
+               retrieval: str | None = None) -> list[ChunkHit]:
+        return [hit for hit, _ in self.retrieve(query, namespace, k, retrieval)]
 
-    def retrieve(self, query: str, namespace: str, k: int | None) -> list[tuple[ChunkHit, Chunk]]:
-        """The top-k chunks for `query`, best first, with their rows."""
+    def retrieve(self, query: str, namespace: str, k: int | None,
+                 retrieval: str | None = None) -> list[tuple[ChunkHit, Chunk]]:
+        """The top-k chunks for `query`, best first, with their rows (retrieval: the setting's by default)."""
         check_query(query)
-        self.refresh(namespace)
-        found = self.p.index.search(namespace, self.p.embedder.embed([query])[0], k or self.p.settings.top_k)
+        found = self.retriever.ranked(query, namespace, k or self.p.settings.top_k,
+                                      retrieval or self.p.settings.retrieval)
         if not found:
             return []
         with self.p.db.session() as s:
             rows = {c.id: (c, d.external_id) for c, d in s.execute(
                 select(Chunk, DocRow).join(DocRow, DocRow.id == Chunk.document_id).where(
                     Chunk.id.in_([i for i, _ in found]), Chunk.namespace == namespace))}
-        return [(ChunkHit(i, rows[i][1], score, rows[i][0].text), rows[i][0]) for i, score in found if i in rows]
+        return [(ChunkHit(i, rows[i][1], score, rows[i][0].text, rows[i][0].heading or "", rows[i][0].page),
+                 rows[i][0]) for i, score in found if i in rows]
 
     def chunk_rows(self, namespace: str, chunk_ids: list[int] | None = None, doc_id: str | None = None) -> list:
         """(chunk id, document id, token ids bytes) of the named chunks or document, all in `namespace`."""

@@ -25,10 +25,12 @@ class IngestReport:
     chunks_removed: int = 0
     removed_chunk_ids: list[int] = field(default_factory=list)
     orphan_kv_keys: list[str] = field(default_factory=list)  # KV entries no chunk references any more
+    errors: list[str] = field(default_factory=list)  # "file: why", one per file that could not be read
 
     def line(self) -> str:
         return (f"documents: added={self.added} unchanged={self.unchanged} replaced={self.replaced}; "
-                f"chunks: added={self.chunks_added} removed={self.chunks_removed}")
+                f"chunks: added={self.chunks_added} removed={self.chunks_removed}"
+                + (f"; files not read: {len(self.errors)}" if self.errors else ""))
 
 
 def same_tokenizer(model) -> list[str]:
@@ -73,7 +75,7 @@ def ingest_documents(db: Database, tokenizer, tokenizer_ids: list[str], docs: li
             new_ids[doc.external_id] = [spec.token_ids for spec in specs]
             for spec in specs:
                 s.add(Chunk(document_id=row.id, namespace=namespace, ordinal=spec.ordinal, text=spec.text,
-                            n_tokens=len(spec.token_ids), token_ids=pack_ids(spec.token_ids),
+                            heading=spec.heading or None, page=spec.page, n_tokens=len(spec.token_ids), token_ids=pack_ids(spec.token_ids),
                             model=tokenizer_id))
                 report.chunks_added += 1
         s.flush()

@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from blend import (A3, BlendQ, CacheBlend, Epic, Full, Prefix, Probe, Reuse, compute_chunk, fuse_and_prefill,
@@ -34,6 +33,7 @@ from ..meta import Database
 from ..store import TieredStore, decode as decode_kv, encode as encode_kv, kv_key
 from ..store.disk import DiskTier
 from ..store.memory import MemoryTier
+from .retrieve import retriever
 from .scores import best_f1, f1, kl
 
 METRICS = ("ttft_s_median", "speedup_vs_full", "f1_gold", "f1_vs_full", "top1_agree", "kl_first", "kl_tf",
@@ -54,7 +54,8 @@ class EvalConfig:
     a3_window: int = 2
     blendq_ratios: list[float] = field(default_factory=lambda: [0.12])
     top_k: int = 4
-    retrieval: str = "given"  # given | faiss
+    retrieval: str = "given"  # given | dense | bm25 | hybrid (retrieve.py)
+    rerank: int = 0  # with retrieval: candidates reranked by query likelihood
     chunk_prefill: str = "alone"  # alone | prefixed
     kv_dtype: str = "auto"
     codec: str = "raw"  # RAGCACHE_KV_CODEC: every chunk KV goes through its encode and decode, as a disk hit would
@@ -147,20 +148,6 @@ class _Passages:
         return [decode_kv(hit.entry, m.dtype, m.device) for hit in self.store.get_many(keys)]
 
 
-def _retriever(service, cfg: EvalConfig, data: list[dict], root: Path):
-    if cfg.retrieval == "given":
-        return lambda item: [c["text"] for c in item["ctxs"][: cfg.top_k]]
-    if cfg.retrieval != "faiss":
-        raise UserError("retrieval must be given or faiss")
-    from index import VectorIndex
-
-    texts = sorted({c["text"] for item in data for c in item["ctxs"]})
-    index = VectorIndex(root / "index", service.embedder.dim)
-    index.add("eval", np.arange(len(texts)), service.embedder.embed(texts))
-    return lambda item: [texts[i] for i, _ in index.search("eval", service.embedder.embed([item["question"]])[0],
-                                                          cfg.top_k)]
-
-
 def _run_mode(service, passages: _Passages, keys, suffix, policy, cfg: EvalConfig, reference=None) -> dict:
     """One request: TTFT, then the teacher-forced logits along `reference` ids, then the answer."""
     runner = service.runner
@@ -202,7 +189,7 @@ def evaluate(service, cfg: EvalConfig, progress: bool = True) -> dict:
     with tempfile.TemporaryDirectory(prefix="ragcache-eval-") as tmp:
         root = Path(tmp)
         passages = _Passages(service, cfg, root)
-        retrieve = _retriever(service, cfg, data, root)
+        retrieve = retriever(service, cfg, data, root, passages)
         bar = _bar(len(data), progress)
         for n, item in enumerate(data):
             keys = passages.ensure(retrieve(item))
@@ -231,7 +218,8 @@ def evaluate(service, cfg: EvalConfig, progress: bool = True) -> dict:
             bar.close()
         passages.store.close()
     return {"model": service.model.name, "dataset": str(cfg.dataset), "n": len(per_question), "top_k": cfg.top_k,
-            "retrieval": cfg.retrieval, "chunk_prefill": cfg.chunk_prefill, "tier": cfg.tier,
+            "retrieval": cfg.retrieval + (f"+rerank@{cfg.rerank}" if cfg.rerank else ""),
+            "chunk_prefill": cfg.chunk_prefill, "tier": cfg.tier,
             "knobs": {"probe_epic_k": cfg.probe_epic_k, "a3_window": cfg.a3_window},  # the rest are in the labels
             "kv_dtype": passages.kv_dtype, "codec": cfg.codec,
             "kv_cache_dtype": str(service.kv_cache_dtype).removeprefix("torch."),

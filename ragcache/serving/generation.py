@@ -29,6 +29,7 @@ from ..errors import NotFound, UserError
 from ..meta import ModelDefault
 from ..store import decode as decode_kv
 from ..store.layers import decode_layerwise
+from .rerank import rerank
 from .sequence import Prepared, Sequence
 
 
@@ -50,6 +51,8 @@ class Ask:
     system: str | None = None  # None: the configured system prompt (the shared exact prefix)
     explain: bool = False
     ignore_eos: bool = False
+    retrieval: str | None = None  # dense | bm25 | hybrid; None: RAGCACHE_RETRIEVAL
+    rerank: int | None = None  # candidates reranked by query likelihood (0: none); None: RAGCACHE_RERANK
 
 
 @dataclass
@@ -155,9 +158,16 @@ class Generation:
                                         [*ask.history, ("user", ask.query)])
         except Exception as e:  # noqa: BLE001 — a template's own rule (e.g. roles must alternate), named
             raise UserError(f"this conversation does not fit the model's chat template: {e}") from None
-        found = self.corpus.retrieve(ask.query, ask.namespace, ask.top_k)
+        top_k = ask.top_k or p.settings.top_k
+        rerank_n = p.settings.rerank if ask.rerank is None else ask.rerank
+        reranking = rerank_n > top_k
+        found = self.corpus.retrieve(ask.query, ask.namespace, rerank_n if reranking else top_k, ask.retrieval)
         if not found:
             raise NotFound(f"namespace {ask.namespace!r} has no precomputed chunks: ingest and precompute first")
+        loaded = None  # (ChunkKVs, tiers) once the reranker loaded them, for a policy that reads them
+        if reranking:
+            found, chunks, tiers = rerank(self, ask.query, ask.namespace, found, top_k)
+            loaded = (chunks, tiers) if policy.reads_chunk_kv else None
         times["retrieved"] = time.perf_counter()
         hits, rows = zip(*found)
         self._check_fits(head, rows, suffix, sampling.max_new_tokens)
@@ -169,7 +179,9 @@ class Generation:
                             f"{kv_bytes} bytes) is over the server's whole KV budget of {p.settings.kv_budget_bytes} "
                             "bytes (RAGCACHE_KV_BUDGET_BYTES); lower top_k or max_tokens")
         token_ids = [unpack_ids(row.token_ids) for row in rows]
-        if policy.reads_chunk_kv:
+        if loaded is not None:  # the reranker loaded them
+            chunks, tiers = loaded
+        elif policy.reads_chunk_kv:
             chunks, tiers = self.load_chunks(token_ids, ask.namespace)
         else:  # full prefill: nothing comes from the cache
             chunks, tiers = [tokens_only(ids) for ids in token_ids], ["computed"] * len(token_ids)

@@ -100,8 +100,8 @@ class Sequence:
             "answer": self.stream.sent,
             "mode": p.policy.name,
             "finish_reason": self.finish_reason,
-            "chunks": [{"id": h.id, "doc_id": h.doc_id, "score": round(h.score, 4), "tier": tier}
-                       for h, tier in zip(p.hits, p.tiers)],
+            "chunks": [{"id": h.id, "doc_id": h.doc_id, "score": round(h.score, 4), "tier": tier,
+                        "heading": h.heading, "page": h.page} for h, tier in zip(p.hits, p.tiers)],
             "usage": usage,
             "timings_ms": {"retrieve": ms(t["start"], t["retrieved"]), "load": ms(t["retrieved"], t["loaded"]),
                            "queue": ms(t["loaded"], t["admitted"]), "blend": ms(t["admitted"], self.t_first),

@@ -39,10 +39,10 @@ def shared_db():
     drop()
 
 
-def _ask(server, query: str) -> dict:
+def _ask(server, query: str, **extra) -> dict:
     with server.client() as c:
         r = c.post("/v1/rag/generate", json={"query": query, "namespace": NS, "top_k": 3, "mode": "reuse",
-                                             "max_tokens": 8})
+                                             "max_tokens": 8, **extra})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -67,16 +67,23 @@ def test_replicas_share_corpus_and_kv_and_a_restart_loses_nothing(shared_db, tmp
         assert b.metric("ragcache_chunk_lookups_total", tier="redis", result="hit") == 3
         assert b.metric("ragcache_chunks_prefilled_total") == 0
 
+        assert "so-0" in {ch["doc_id"] for ch in _ask(a, query, retrieval="bm25")["chunks"]}  # A's BM25 loaded
+        with b.client() as c:  # ingested through B: in A's BM25 index at A's next request
+            new = [{"id": "so-new", "title": "Festival", "text": "The Qwertzuiop festival is held each spring."}]
+            job = c.post("/v1/documents", params={"namespace": NS}, json=new).json()["job"]
+            assert _wait_job(c, job["id"])["state"] == "finished"
+        assert _ask(a, "Qwertzuiop", retrieval="bm25")["chunks"][0]["doc_id"] == "so-new"
         with b.client() as c:
             assert c.delete("/v1/documents/so-0", params={"namespace": NS}).status_code == 200
-        assert "so-0" not in {ch["doc_id"] for ch in _ask(a, query)["chunks"]}  # gone from A's index too
+        for retrieval in ("dense", "bm25"):  # gone from both of A's indexes too
+            assert "so-0" not in {ch["doc_id"] for ch in _ask(a, query, retrieval=retrieval)["chunks"]}
 
         a.stop()
         a = start_server(tmp_path / "a" / "home", smollm, **hosts)  # B's start and misses judged none of A's
         with a.client() as c:
             looked = c.post("/v1/cache/lookup", json={"namespace": NS, "doc_id": "so-1"}).json()["chunks"]
         assert looked and all("disk" in x["tiers"] and "redis" in x["tiers"] for x in looked)
-        assert {ch["tier"] for ch in _ask(a, query)["chunks"]} == {"disk"}
+        assert {ch["tier"] for ch in _ask(a, query)["chunks"] if ch["doc_id"] != "so-new"} == {"disk"}  # B made so-new
     finally:
         a.stop()
         if b is not None:

@@ -66,6 +66,9 @@ def _bad_files(tmp: Path) -> dict[str, Path]:
     (["ingest", "{latin1}"], {}, "cannot be read as UTF-8"),
     (["ingest", "{empty}"], {}, "holds no documents"),
     (["ingest", "{strings}"], {}, "expected a list of"),
+    (["ingest", "{a_file}"], {}, "unsupported type '(no suffix)'"),
+    (["search", "x", "--retrieval", "sparse"], {}, "invalid choice: 'sparse'"),
+    (["ask", "what?"], {"RAGCACHE_RETRIEVAL": "sparse"}, "setting retrieval"),
     (["bench", "blend", "--repeats", "0"], {}, "must be >= 1"),
     (["bench", "blend", "--question", "99999"], {}, "--question must be in [0, "),
 ])
@@ -74,3 +77,20 @@ def test_bad_input_is_one_named_line(tmp_path, args, env, words):
     args = [a.format(tmp=tmp_path, **files) if "{" in a else a for a in args]
     r = _run(*args, env={**os.environ, "RAGCACHE_HOME": str(tmp_path / "home"), **env})
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr[-800:]
+
+
+def test_ingest_a_folder_of_mixed_files_reports_each_bad_one_and_ingests_the_rest(tmp_path, smollm):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "notes.md").write_text("# Harbour\n\n## History\n\nThe harbour was dredged in 1901.\n")
+    (folder / "page.html").write_text("<html><body><h1>Quay</h1><p>The quay is a museum.</p></body></html>")
+    (folder / "scan.pdf").write_bytes(b"%PDF-1.7 not a real one")
+    (folder / "data.xyz").write_text("?")
+    env = {**os.environ, "RAGCACHE_HOME": str(tmp_path / "home"), "RAGCACHE_MODEL": str(smollm.path)}
+    r = _run("ingest", str(folder), "--namespace", "mixed", env=env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-800:]
+    assert "documents: added=2" in r.stdout and "files not read: 2" in r.stdout
+    bad = [line for line in r.stderr.splitlines() if line.startswith("ragcache: not ingested: ")]
+    assert len(bad) == 2 and "scan.pdf: cannot be read as PDF" in bad[1] and "data.xyz: unsupported type" in bad[0]
+    r = _run("ingest", str(folder), "--namespace", "mixed", env=env)
+    assert "documents: added=0 unchanged=2" in r.stdout  # an unchanged file is a no-op

@@ -7,7 +7,8 @@ import threading
 import pytest
 from sqlalchemy import select, update
 
-from ragcache.corpus.chunking import SEPARATOR, Document, chunk_document, read_documents
+from ragcache.corpus.chunking import SEPARATOR, Document, chunk_document
+from ragcache.corpus.readers import read_documents
 from ragcache.errors import UserError
 from ragcache.corpus.ingest import ingest_documents
 from ragcache.meta import SCHEMA_VERSION, Chunk, Database, SchemaInfo
@@ -42,17 +43,17 @@ def test_readers_and_their_errors(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.md").write_text("alpha")
     (tmp_path / "docs" / "b.txt").write_text("beta")
-    assert [d.external_id for d in read_documents(tmp_path / "docs")] == ["a.md", "b.txt"]
+    assert [d.external_id for d in read_documents(tmp_path / "docs").documents] == ["a.md", "b.txt"]
     good = tmp_path / "c.jsonl"
     good.write_text('{"id": 1, "title": "T", "text": "x"}\n\n{"id": "2", "text": "y"}\n')
-    assert [(d.external_id, d.title) for d in read_documents(good)] == [("1", "T"), ("2", "")]
+    assert [(d.external_id, d.title) for d in read_documents(good).documents] == [("1", "T"), ("2", "")]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": 1, "text": "x"}\n{"id": 2}\n')
-    with pytest.raises(UserError, match="bad.jsonl:2"):
+    with pytest.raises(UserError, match="bad.jsonl: line 2"):
         read_documents(bad)
     mus = tmp_path / "m.json"
     mus.write_text(json.dumps([{"question": "q", "answers": ["a"], "ctxs": [{"title": "", "text": "same"}] * 2}]))
-    assert len(read_documents(mus)) == 1  # the same passage twice is one document
+    assert len(read_documents(mus).documents) == 1  # the same passage twice is one document
     with pytest.raises(UserError, match="not found"):
         read_documents(tmp_path / "nope.jsonl")
 
@@ -112,6 +113,28 @@ def test_a_database_newer_than_the_code_is_refused_by_name(tmp_path):
     db.dispose()
     with pytest.raises(UserError, match="newer than this ragcache"):
         Database(url)
+
+
+def test_a_schema_4_database_gains_heading_and_page_and_keeps_its_chunks(db_url):
+    from sqlalchemy import text
+
+    db = Database(db_url)
+    with db.session() as s:  # back to schema 4: chunks without heading and page, one chunk in them
+        for column in ("heading", "page"):
+            s.execute(text(f"ALTER TABLE chunks DROP COLUMN {column}"))
+        s.execute(update(SchemaInfo).values(version=4))
+        s.execute(text("INSERT INTO documents (namespace, external_id, title, text_hash, created) "
+                       "VALUES ('ns', 'd', '', 'h', CURRENT_TIMESTAMP)"))
+        s.execute(text("INSERT INTO chunks (document_id, namespace, ordinal, text, n_tokens, token_ids, model, state, "
+                       "attempts, created) SELECT id, 'ns', 0, 'old text', 2, :ids, 'fp', 'done', 0, CURRENT_TIMESTAMP "
+                       "FROM documents"), {"ids": b"\x01\x00\x00\x00\x02\x00\x00\x00"})
+    db.dispose()
+    db = Database(db_url)
+    with db.session() as s:
+        assert s.get(SchemaInfo, 1).version == SCHEMA_VERSION
+        [chunk] = s.scalars(select(Chunk)).all()
+        assert (chunk.text, chunk.heading, chunk.page) == ("old text", None, None)
+    db.dispose()
 
 
 def test_a_corpus_ingested_in_float32_serves_a_bfloat16_model(tmp_path, smollm):

@@ -62,7 +62,7 @@ def test_calibrate_stores_the_fastest_mode_within_the_target(tmp_path, tiny, smo
     service = RagCache(Settings(home=tmp_path / "home", model=str(smollm.path)))
     # also the other paths: passages found by FAISS, chunk KV read back from the disk tier
     cfg = EvalConfig(tiny, modes=["full", "reuse", "cacheblend"], ratios=[0.5], top_k=2, max_new_tokens=4,
-                     retrieval="faiss", tier="disk")
+                     retrieval="dense", tier="disk")
     choice = calibrate(service, cfg, target_kl=0.0, progress=False)
     assert (choice.mode, choice.param) == ("full", None)  # nothing approximate has zero KL
     loose = calibrate(service, cfg, target_kl=10.0, progress=False)
