@@ -18,6 +18,7 @@ from .timing import interleaved, median
 KEEP = 60  # chunk KVs kept between questions (~25 MB each for SmolLM2 at 550 tokens, float32)
 
 
+@torch.inference_mode()  # the prefix's KV is an inference tensor that compute_chunk copies into each cache
 def rerank(settings, questions: list[str], texts: list[str], hybrid: list[list[int]], n: int,
            top_k: int = 4) -> tuple[list[list[int]], dict]:
     model = load_model(settings.model, settings.home, settings.device, settings.dtype)
