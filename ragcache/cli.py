@@ -1,4 +1,4 @@
-"""The `ragcache` command. Each subcommand parses its flags here and calls the module that owns it."""
+"""The `ragcache` command line: its flags, parsed here; what each subcommand then does is in commands.py."""
 from __future__ import annotations
 
 import argparse
@@ -7,77 +7,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from . import commands
 from .config import CHOICES, EVAL_MODES, MODES
 from .errors import UserError
-
-
-def _demo(args, settings) -> int:
-    from .demo import run_demo
-
-    return run_demo(settings, args)
-
-
-def _bench(args, settings) -> int:
-    from .bench import run_bench
-
-    return run_bench(settings, args)
-
-
-def _ingest(args, settings) -> int:
-    from .service import RagCache
-
-    with RagCache(settings) as service:
-        report = service.ingest(args.path, args.namespace)
-        counts = service.counts(args.namespace)
-    print(report.line())
-    print("chunks by state: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
-    for error in report.errors:
-        print(f"ragcache: not ingested: {error}", file=sys.stderr)
-    return 1 if report.errors else 0
-
-
-def _precompute(args, settings) -> int:
-    from .jobs.precompute import run_precompute
-
-    summary = run_precompute(settings, workers=args.workers, namespace=args.namespace, progress=not args.quiet,
-                             job_id=args.job, retry_failed=args.retry_failed)
-    print(summary.line())
-    return 0
-
-
-def _search(args, settings) -> int:
-    from .service import RagCache
-
-    with RagCache(settings) as service:
-        hits = service.search(args.query, args.namespace, args.k, args.retrieval)
-    for hit in hits:
-        words = " ".join(hit.text.split()[:14])
-        where = f" p.{hit.page}" if hit.page else ""
-        print(f"{hit.id:>7}  {hit.score:.4f}  {hit.doc_id}{where}  {words}…")
-    return 0
-
-
-def _ask(args, settings) -> int:
-    import json
-
-    from .service import RagCache
-
-    with RagCache(settings) as service:
-        out = service.generate(args.question, args.namespace, args.k, args.mode, ratio=args.ratio, k=args.epic_k,
-                               max_new_tokens=args.max_new_tokens, retrieval=args.retrieval, rerank=args.rerank)
-    if args.json:
-        print(json.dumps(out, indent=2))
-        return 0
-    print(out["answer"])
-    t, u = out["timings_ms"], out["usage"]
-    print(f"\nTTFT {t['ttft']:.0f} ms (retrieve {t['retrieve']:.0f}, load {t['load']:.0f}, blend {t['blend']:.0f}); "
-          f"decode {t['decode']:.0f} ms; total {t['total']:.0f} ms")
-    print(f"prompt {u['prompt_tokens']} tokens, recomputed {u['recomputed_tokens']}, "
-          f"completion {u['completion_tokens']}; chunks from " + ", ".join(c["tier"] for c in out["chunks"]))
-    for c in out["chunks"]:
-        print(f"  [{c['doc_id']}" + (f" p.{c['page']}" if c["page"] else "") + (f" § {c['heading']}" if c["heading"]
-                                                                                 else "") + "]")
-    return 0
 
 
 def _floats(text: str) -> list[float]:
@@ -110,56 +42,6 @@ def _parts(text: str) -> list[str]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown part(s) {', '.join(sorted(unknown))}: use {', '.join(STORE_PARTS)}")
     return parts
-
-
-def _eval_config(args, settings):
-    from pathlib import Path
-
-    from .evaluation.evaluate import EvalConfig
-
-    return EvalConfig(Path(args.dataset), modes=args.modes.split(","), ratios=args.ratios, epic_ks=args.epic_k,
-                      probe_ratios=args.probe_ratios, probe_epic_k=args.probe_epic_k, probe_layers=args.probe_layers,
-                      ape=args.ape or [], a3_ratios=args.a3_ratios,
-                      a3_window=args.a3_window, blendq_ratios=args.blendq_ratios,
-                      top_k=args.top_k, retrieval=args.retrieval, rerank=args.rerank,
-                      chunk_prefill=args.chunk_prefill or settings.chunk_prefill,
-                      kv_dtype=args.kv_dtype, codec=settings.kv_codec, tier=args.tier, limit=args.limit,
-                      max_new_tokens=args.max_new_tokens)
-
-
-def _eval(args, settings) -> int:
-    from .evaluation.evaluate import evaluate, latest_dir, output_dir, table, write_results
-    from .service import RagCache
-
-    out = output_dir(args.out)  # a bad --out fails now, not after the run
-    with RagCache(settings) as service:
-        results = evaluate(service, _eval_config(args, settings), progress=not args.quiet)
-    write_results(results, out)
-    write_results(results, latest_dir(settings.home))
-    print(f"{results['model']}, {results['dataset']}: n={results['n']}, top-k {results['top_k']} "
-          f"({results['retrieval']}), chunks {results['chunk_prefill']}, {results['kv_dtype']} KV ({results['codec']}) in the "
-          f"{results['tier']} tier; running sequences keep {results['kv_cache_dtype']} KV")
-    print(table(results))
-    print(f"wrote {args.out}/results.json, results.csv, pareto.png")
-    return 0
-
-
-def _calibrate(args, settings) -> int:
-    from .evaluation.calibrate import calibrate
-    from .service import RagCache
-
-    with RagCache(settings) as service:
-        choice = calibrate(service, _eval_config(args, settings), args.target_kl, progress=not args.quiet)
-    print(choice.line())
-    return 0
-
-
-def _calibrate_codec(args, settings) -> int:
-    from .evaluation.codec_calibrate import command
-    from .service import RagCache
-
-    with RagCache(settings) as service:
-        return command(service, args)
 
 
 def _add_eval_flags(p: argparse.ArgumentParser) -> None:
@@ -208,7 +90,7 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job on the bundled model and demo data")
     d.add_argument("--data", default="demo/data/musique_demo.json")
     d.add_argument("--out", default="demo/out")
-    d.set_defaults(func=_demo)
+    d.set_defaults(func=commands.demo)
 
     b = sub.add_parser("bench", help="benchmarks whose output goes into BENCHMARKS.md")
     b.add_argument("what", choices=["load", "prefill", "blend", "store", "precompute", "retrieval", "coverage",
@@ -240,13 +122,13 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
                    "dev questions whose greedy answers compare")
     b.add_argument("--trace", type=_floats, default=[0.8, 1.0, 1.2], help="store: Zipf exponents of the traces")
     b.add_argument("--llama-bench", default=None, help="decode: llama.cpp's llama-bench (default: the one on PATH)")
-    b.set_defaults(func=_bench)
+    b.set_defaults(func=commands.bench)
 
     i = sub.add_parser("ingest", help="add documents: PDF, DOCX, HTML, Markdown, text, .jsonl or MuSiQue .json "
                                       "files, or a folder of them")
     i.add_argument("path")
     i.add_argument("--namespace", default="default")
-    i.set_defaults(func=_ingest)
+    i.set_defaults(func=commands.ingest)
 
     pc = sub.add_parser("precompute", help="prefill, store, embed and index every pending chunk (resumable)")
     pc.add_argument("--workers", type=_positive, default=1)
@@ -254,14 +136,14 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     pc.add_argument("--quiet", action="store_true", help="no progress bar")
     pc.add_argument("--job", type=_positive, default=None, help="work on this job row (made by `serve`)")
     pc.add_argument("--retry-failed", action="store_true", help="give failed chunks a fresh set of attempts")
-    pc.set_defaults(func=_precompute)
+    pc.set_defaults(func=commands.precompute)
 
     se = sub.add_parser("search", help="the top-k chunks for a query")
     se.add_argument("query")
     se.add_argument("-k", type=_positive, default=None)
     se.add_argument("--namespace", default="default")
     se.add_argument("--retrieval", choices=CHOICES["retrieval"], default=None, help="default: RAGCACHE_RETRIEVAL")
-    se.set_defaults(func=_search)
+    se.set_defaults(func=commands.search)
 
     a = sub.add_parser("ask", help="retrieve, blend, answer")
     a.add_argument("question")
@@ -276,17 +158,17 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     a.add_argument("--retrieval", choices=CHOICES["retrieval"], default=None, help="default: RAGCACHE_RETRIEVAL")
     a.add_argument("--rerank", type=int, default=None,
                    help="rerank this many candidates by query likelihood on their cached KV (RAGCACHE_RERANK)")
-    a.set_defaults(func=_ask)
+    a.set_defaults(func=commands.ask)
 
     ev = sub.add_parser("eval", help="quality vs latency of every mode against full prefill")
     _add_eval_flags(ev)
     ev.add_argument("--out", default="eval-out", help="folder for results.json, results.csv, pareto.png")
-    ev.set_defaults(func=_eval)
+    ev.set_defaults(func=commands.evaluate)
 
     cal = sub.add_parser("calibrate", help="pick the fastest mode within a KL target; `mode: auto` uses it")
     _add_eval_flags(cal)
     cal.add_argument("--target-kl", type=float, required=True, help="mean teacher-forced KL(full ‖ mode), nats")
-    cal.set_defaults(func=_calibrate)
+    cal.set_defaults(func=commands.calibrate)
 
     cc = sub.add_parser("calibrate-codec", help="measure which layers the compact KV codec gives one more bit")
     cc.add_argument("--dataset", required=True, type=Path, help="a MuSiQue/CacheBlend-format JSON file (dev questions)")
@@ -297,7 +179,7 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     cc.add_argument("--v-bits", type=int, choices=[2, 3, 4], default=3)
     cc.add_argument("--max-bits", type=float, default=3.0, help="mean bits per element, everything counted")
     cc.add_argument("--quiet", action="store_true")
-    cc.set_defaults(func=_calibrate_codec)
+    cc.set_defaults(func=commands.calibrate_codec)
 
     if extend is not None:
         extend(sub)

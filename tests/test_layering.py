@@ -27,6 +27,7 @@ ROOMS: dict[str, set[str]] = {
     "__init__": {"config", "service"},
     "bench": BASE | {"store", "corpus", "parts", "evaluation", "serving", "jobs", "service"},
     "demo": BASE | {"store", "corpus", "parts", "evaluation", "jobs", "service"},
+    "commands": BASE | {"store", "corpus", "parts", "evaluation", "serving", "jobs", "service", "bench", "demo"},
     "cli": set(),  # filled below: the command reaches every room
 }
 ROOMS["cli"] = set(ROOMS) - {"cli", "__init__"}
