@@ -7,11 +7,14 @@ counter commit together, and only for the worker that holds the claim), and prog
 readable by anyone. Workers claim small batches: on PostgreSQL with SELECT … FOR UPDATE SKIP
 LOCKED, so processes on several machines share a job; on SQLite one worker at a time (a file
 lock), and a second one is told so. Embeddings are written to the chunk rows; the FAISS index
-is brought in line with SQL when the job ends (and at every service start).
+is brought in line with SQL when the job ends (and at every service start). A chunk whose KV no
+tier has room for (every one full of pinned entries) is done all the same: embedded and retrievable,
+its KV computed when used, as if evicted at once; a full tier is not the chunk's failure.
 """
 from __future__ import annotations
 
 import fcntl
+import logging
 import multiprocessing
 import os
 import time
@@ -29,8 +32,11 @@ from ..corpus.ingest import unpack_ids
 from ..errors import UserError
 from ..meta import Chunk, Database
 from ..parts import Parts
+from ..store import StoreFull
 from . import claims
 from .rows import LOCK_FILE, count_chunks, finish_job_if_empty, join_or_start_job
+
+log = logging.getLogger("ragcache.precompute")
 
 
 @dataclass
@@ -146,6 +152,9 @@ def _work(parts: Parts, job_id: int, namespace: str | None, worker: str, on_batc
                     if write is not None:
                         write.result()
                     done.append((cid, ns, key, text, n))
+                except StoreFull as e:  # every tier full of pins (another tenant's, say): not this chunk's
+                    log.warning("chunk %d done without a stored KV, computed when used: %s", cid, e)  # failure
+                    done.append((cid, ns, key, text, n))  # retrievable, its KV as if evicted at once
                 except Exception as e:  # noqa: BLE001
                     failed.append((cid, f"{type(e).__name__}: {e}"))
             vectors = parts.embedder.embed([t for _, _, _, t, _ in done]) if done else []
