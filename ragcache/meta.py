@@ -260,6 +260,12 @@ def _applied(s: Session, ddl: str) -> bool:
     return bool(m) and (m[3] in {c["name"] for c in look.get_columns(m[1])}) == (m[2] == "ADD")
 
 
+def in_batches(items, n: int = 900):
+    """`items` in lists of at most `n`: an IN list under SQLite's variable limit (999 before 3.32)."""
+    items = list(items)
+    return (items[i:i + n] for i in range(0, len(items), n))
+
+
 def bump_index_versions(s: Session, namespaces) -> None:
     """Within `s`'s transaction: every namespace whose retrievable chunks changed moves on by one."""
     for ns in sorted(set(namespaces)):

@@ -13,7 +13,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from ..meta import Chunk, Database, bump_index_versions
+from ..meta import Chunk, Database, bump_index_versions, in_batches
 from ..meta import Document as DocRow
 from .chunking import Document, chunk_document
 
@@ -74,8 +74,7 @@ def ingest_documents(db: Database, tokenizer, tokenizer_ids: list[str], docs: li
         if report.removed_chunk_ids:
             bump_index_versions(s, [namespace])  # other processes drop the old chunks from their indexes
         if report.orphan_kv_keys:
-            still_used = set(s.scalars(select(Chunk.kv_key).where(Chunk.kv_key.in_(report.orphan_kv_keys))))
-            report.orphan_kv_keys = sorted(set(report.orphan_kv_keys) - still_used)
+            report.orphan_kv_keys = sorted(set(report.orphan_kv_keys) - keys_in_use(s, report.orphan_kv_keys))
     if report.orphan_kv_keys and key_of is not None:  # after the commit: key_of may read SQL itself
         reused = {key_of(ids) for chunks in new_ids.values() for ids in chunks}
         report.orphan_kv_keys = sorted(set(report.orphan_kv_keys) - reused)
@@ -125,6 +124,11 @@ def _document_row(s: Session, existing: dict[str, DocRow], foreign: set[int], na
     row.title, row.text_hash = doc.title, doc.text_hash
     report.replaced += 1
     return row
+
+
+def keys_in_use(s: Session, keys) -> set[str]:
+    """Those of `keys` some chunk still names (in batches: a replace may drop 100K chunks)."""
+    return {k for part in in_batches(set(keys)) for k in s.scalars(select(Chunk.kv_key).where(Chunk.kv_key.in_(part)))}
 
 
 def pack_ids(token_ids) -> bytes:

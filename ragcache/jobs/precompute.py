@@ -96,6 +96,8 @@ def run_precompute(settings: Settings, workers: int = 1, namespace: str | None =
         finish_job_if_empty(db, job_id, namespace)
         for ns in _namespaces(db, namespace):
             corpus.sync_index(ns)
+        if namespace is None:
+            corpus.prune_index()
         return summary
     finally:
         if lock is not None:
@@ -160,6 +162,8 @@ def _work(parts: Parts, job_id: int, namespace: str | None, worker: str, on_batc
             vectors = parts.embedder.embed([t for _, _, _, t, _ in done]) if done else []
             ended = claims.commit(db, job_id, worker, done, vectors, failed, cfg.precompute_attempts,
                                   cfg.retry_backoff_s)
+            for key in claims.orphaned(db, done):
+                parts.store.delete(key)  # its chunk was deleted meanwhile: no blob without a chunk
             heartbeat.beat()
             if on_batch:
                 on_batch(ended)
@@ -173,7 +177,7 @@ def _single_writer_lock(settings: Settings, db: Database, workers: int):
         raise UserError("SQLite allows one precompute worker at a time: use --workers 1, or PostgreSQL "
                         "(RAGCACHE_DATABASE_URL=postgresql+psycopg://…) for several")
     path = settings.home / LOCK_FILE
-    f = open(path, "a+")
+    f = open(path, "a+", errors="replace")  # a damaged holder line is still read
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

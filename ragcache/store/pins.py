@@ -10,9 +10,7 @@ from __future__ import annotations
 from sqlalchemy import delete, func, select, text, update
 
 from ..errors import Conflict
-from ..meta import Database, KVCopy, KVEntry, Pin
-
-BATCH = 900  # keys per IN list: under the 999 variables of an older SQLite too
+from ..meta import Database, KVCopy, KVEntry, Pin, in_batches
 
 
 class PinQuotaExceeded(Conflict):
@@ -21,18 +19,13 @@ class PinQuotaExceeded(Conflict):
                          f"{used} of its {quota} bytes (RAGCACHE_PIN_QUOTA_BYTES): unpin some first")
 
 
-def batches(keys):
-    keys = list(keys)
-    return (keys[i:i + BATCH] for i in range(0, len(keys), BATCH))
-
-
 def pin(db: Database, namespace: str, keys: list[str], quota: int) -> set[str]:
     """Pin the stored ones of `keys` for `namespace`, all or none; which keys are pinned."""
     with db.session() as s:
         if not db.is_sqlite:  # one pin request per namespace at a time: no two pass the quota check together
             s.execute(text("SELECT pg_advisory_xact_lock(hashtext(:ns))"), {"ns": namespace})
         sizes, mine = {}, set()
-        for part in batches(set(keys)):
+        for part in in_batches(set(keys)):
             sizes.update(s.execute(select(KVCopy.key, func.max(KVCopy.bytes)).where(
                 KVCopy.key.in_(part), KVCopy.checksum.is_not(None)).group_by(KVCopy.key)).all())
             mine |= set(s.scalars(select(Pin.key).where(Pin.namespace == namespace, Pin.key.in_(part))))
@@ -41,7 +34,7 @@ def pin(db: Database, namespace: str, keys: list[str], quota: int) -> set[str]:
         if used + sum(new.values()) > quota:
             raise PinQuotaExceeded(namespace, sum(new.values()), used, quota)
         s.add_all(Pin(namespace=namespace, key=k, bytes=n) for k, n in new.items())
-        for part in batches(new):
+        for part in in_batches(new):
             s.execute(update(KVEntry).where(KVEntry.key.in_(part)).values(pinned=True))
         return set(sizes)
 
@@ -50,7 +43,7 @@ def unpin(db: Database, namespace: str, keys: list[str]) -> set[str]:
     """`namespace`'s pins of `keys` dropped; which keys no namespace pins any more."""
     freed = set()
     with db.session() as s:
-        for part in batches(set(keys)):
+        for part in in_batches(set(keys)):
             s.execute(delete(Pin).where(Pin.namespace == namespace, Pin.key.in_(part)))
             still = set(s.scalars(select(Pin.key).where(Pin.key.in_(part))))
             free = [k for k in part if k not in still]

@@ -56,5 +56,3 @@ def test_a_disk_full_of_one_tenants_pins_leaves_another_tenants_precompute_finis
         assert answer.status_code == 200 and {ch["doc_id"] for ch in answer.json()["chunks"]} == {"o-0", "o-1"}
 
         c.post("/v1/cache/unpin", json={"namespace": NAMESPACE, "chunk_ids": every})
-        disk = next(t for t in c.get("/v1/cache/stats").json()["tiers"] if t["name"] == "disk")
-        assert disk["used_bytes"] <= disk["capacity_bytes"]

@@ -6,7 +6,7 @@ import sqlite3
 import threading
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import event, func, select, update
 
 from ragcache.corpus.chunking import SEPARATOR, Document, chunk_document
 from ragcache.corpus.readers import read_documents
@@ -222,3 +222,19 @@ def test_the_same_new_document_ingested_by_two_connections_at_once_is_one_docume
         assert len(per_doc) == 3 and sum(r.added for r in reports) == 3
     finally:
         drop()
+
+
+def test_replacing_a_document_of_40k_done_chunks_stays_under_sqlites_variable_limit(tmp_path, smollm):
+    db = Database(f"sqlite:///{tmp_path / 'meta.db'}")
+    limit = lambda conn, _: conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 32766)  # noqa: E731 — a stock
+    event.listen(db.engine, "connect", limit)  # build's limit (Debian's is 250,000)
+    db.engine.dispose()
+    ingest_documents(db, smollm.tokenizer, ["fp"], [Document("big", "", "Short.")], "ns", 64)
+    with db.session() as s:
+        doc = s.scalars(select(DocRow.id)).one()
+        s.execute(Chunk.__table__.insert(), [dict(document_id=doc, namespace="ns", ordinal=i + 1, text="x", n_tokens=1,
+                                                  token_ids=b"\0\0\0\0", model="fp", kv_key=f"k{i}", state="done")
+                                             for i in range(40_000)])
+    report = ingest_documents(db, smollm.tokenizer, ["fp"], [Document("big", "", "Changed.")], "ns", 64)
+    assert report.replaced == 1 and report.chunks_removed == 40_001 and len(report.orphan_kv_keys) == 40_000
+    db.dispose()

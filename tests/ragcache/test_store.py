@@ -402,3 +402,15 @@ def test_pins_lookups_and_tier_eviction(db, tmp_path):
     assert store.where("k2") == ["disk"] and store.where("k0") == ["cpu", "disk"]
     with db.session() as s:
         assert s.get(KVEntry, "k0").pinned
+
+
+def test_a_damaged_store_id_adopts_the_directory_as_a_new_store(db, tmp_path):
+    store = make_store(db, tmp_path)
+    store.put("k", encode(fake_chunk(0), "float32"))
+    old = store.blobs[0].store_id
+    (tmp_path / "kv" / "STORE_ID").write_bytes(b"\xff\xfe\x00garbage\x9c")
+    again = make_store(db, tmp_path)  # it used to raise UnicodeDecodeError, at every request
+    assert again.blobs[0].store_id != old and again.blobs[0].keys() == []  # its old blobs swept
+    assert again.get("k") is None
+    again.put("k", encode(fake_chunk(0), "float32"))
+    assert make_store(db, tmp_path).get("k").tier == "disk"  # the new name holds
