@@ -8,6 +8,7 @@ search that partition. Inner product over unit vectors (cosine). Kinds:
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -17,6 +18,7 @@ import faiss
 import numpy as np
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+log = logging.getLogger("index")
 
 
 class VectorIndex:
@@ -55,8 +57,31 @@ class VectorIndex:
         with self._lock:
             if namespace not in self._parts:
                 path = self._path(namespace)
-                self._parts[namespace] = faiss.read_index(str(path)) if path.is_file() else self._new()
+                self._parts[namespace] = self._read(path) if path.is_file() else self._new()
             return self._parts[namespace]
+
+    def _read(self, path: Path) -> faiss.Index:
+        """The saved partition; a damaged one (or of another dimension) is started afresh: the index is
+        a cache of SQL, so the caller's next sync refills it from the stored embeddings."""
+        try:
+            part = faiss.read_index(str(path))
+            if part.d == self.dim:
+                return part
+        except RuntimeError:
+            pass
+        log.warning("%s is damaged or of another model: rebuilt from the database", path)
+        return self._new()
+
+    def keep_only(self, namespaces) -> list[str]:
+        """Partitions (in memory and on disk) of every namespace not in `namespaces` dropped; their files."""
+        keep = {self._path(ns).name for ns in namespaces}
+        with self._lock:
+            for ns in [ns for ns in self._parts if self._path(ns).name not in keep]:
+                del self._parts[ns]
+            gone = [p for p in self.root.glob(f"*.{self.kind}.faiss") if p.name not in keep]
+            for path in gone:
+                path.unlink(missing_ok=True)
+        return [p.name for p in gone]
 
     def add(self, namespace: str, ids: np.ndarray, vectors: np.ndarray) -> None:
         """ids (n,) int64, vectors (n, dim) float32. Re-adding an id replaces its vector."""

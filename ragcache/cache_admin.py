@@ -28,10 +28,18 @@ class CacheAdmin:
 
     def pin(self, namespace: str, chunk_ids: list[int] | None = None, doc_id: str | None = None,
             pinned: bool = True) -> list[dict]:
-        """Mark (or unmark) the chunks' entries as never evicted; an entry not stored yet is pinned when it is."""
-        for _, _, key in self._keyed(namespace, chunk_ids, doc_id):
-            self.p.store.set_pinned(key, pinned)
+        """Mark (or unmark) the chunks' entries as never evicted, within the namespace's pin quota (over
+        it: PinQuotaExceeded, a Conflict, and nothing pinned); a chunk not stored yet is not pinned (pin it once precomputed)."""
+        keys = [key for _, _, key in self._keyed(namespace, chunk_ids, doc_id)]
+        if pinned:
+            self.p.store.pin(namespace, keys, self.pin_quota())
+        else:
+            self.p.store.unpin(namespace, keys)
         return self.lookup(namespace, chunk_ids, doc_id)
+
+    def pin_quota(self) -> int:
+        """Bytes one namespace may pin: RAGCACHE_PIN_QUOTA_BYTES, else a quarter of the smallest tier."""
+        return self.p.settings.pin_quota_bytes or min(t.capacity_bytes() for t in self.p.store.tiers) // 4
 
     def evict(self, namespace: str, chunk_ids: list[int] | None = None, doc_id: str | None = None) -> dict:
         """Drop the chunks' KV from every tier (recomputed on next use); pinned ones stay."""

@@ -59,6 +59,7 @@ class Settings(BaseSettings):
     admission_window: int = 100_000  # second-use: a chunk's second use counts within this many distinct chunks
     orphan_grace_s: float = 60.0  # a blob put unfinished this long was cut off: swept at the next start
     share_across_namespaces: bool = False  # True: one cache entry per text for every tenant
+    pin_quota_bytes: int = 0  # what one namespace may pin, in bytes; 0: a quarter of the smallest cache tier
 
     # corpus, retrieval, precompute
     chunk_tokens: int = 512
@@ -145,7 +146,8 @@ class Settings(BaseSettings):
         return v
 
     @field_validator("gpu_cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "redis_cache_bytes", "epic_k",
-                     "threads", "job_threads", "retry_backoff_s", "orphan_grace_s", "probe_layers", "rerank")
+                     "threads", "job_threads", "retry_backoff_s", "orphan_grace_s", "probe_layers", "rerank",
+                     "pin_quota_bytes")
     @classmethod
     def _nonneg(cls, v: float) -> float:
         if v < 0:

@@ -3,7 +3,8 @@
 Tables: namespaces (per-tenant key salt), documents, chunks (a document's pieces and their
 precompute state), kv_entries (one stored chunk KV, shared by every chunk with the same key),
 kv_copies and blob_stores (where each entry's blobs are: per host disk, per deployment Redis),
-jobs (precompute runs), model_defaults (what `calibrate` chose), index_versions (bumped whenever
+pins (who pins which entry, within a quota), jobs (precompute runs), model_defaults (what
+`calibrate` chose), index_versions (bumped whenever
 a namespace's set of retrievable chunks changes: a long-lived process re-syncs its FAISS index
 when the number moves, whoever made the change).
 
@@ -107,6 +108,15 @@ class KVEntry(Base):
     hits: Mapped[int] = mapped_column(Integer, default=0)
     last_access: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Pin(Base):
+    """One namespace's pin on one stored entry, and the entry's bytes then: its share of the
+    namespace's pin quota. An entry stays pinned (kv_entries.pinned) while any namespace pins it."""
+    __tablename__ = "pins"
+    namespace: Mapped[str] = mapped_column(String(128), primary_key=True)
+    key: Mapped[str] = mapped_column(String(64), primary_key=True, index=True)
+    bytes: Mapped[int] = mapped_column(BigInteger)
 
 
 class BlobStore(Base):
@@ -248,6 +258,12 @@ def _applied(s: Session, ddl: str) -> bool:
         return look.has_table(m[1])
     m = re.match(r"ALTER TABLE (\w+) (ADD|DROP) COLUMN (\w+)", ddl)
     return bool(m) and (m[3] in {c["name"] for c in look.get_columns(m[1])}) == (m[2] == "ADD")
+
+
+def in_batches(items, n: int = 900):
+    """`items` in lists of at most `n`: an IN list under SQLite's variable limit (999 before 3.32)."""
+    items = list(items)
+    return (items[i:i + n] for i in range(0, len(items), n))
 
 
 def bump_index_versions(s: Session, namespaces) -> None:

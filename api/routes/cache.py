@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
+from ragcache.store.pins import PinQuotaExceeded
+
 from ..auth import Caller, caller
 from ..deps import service
-from ..errors import documented
+from ..errors import ApiError, documented
 from ..schemas import ChunkSelector, EvictRequest
 
-router = APIRouter(tags=["cache"], responses=documented(400, 401, 403, 404, 413, 422))
+router = APIRouter(tags=["cache"], responses=documented(400, 401, 403, 404, 409, 413, 422))
 
 
 @router.post("/v1/cache/lookup")
@@ -21,7 +23,10 @@ def lookup(sel: ChunkSelector, request: Request, who: Caller = Depends(caller)):
 @router.post("/v1/cache/pin")
 def pin(sel: ChunkSelector, request: Request, who: Caller = Depends(caller)):
     who.allow(sel.namespace)
-    return {"chunks": service(request).cache.pin(sel.namespace, sel.chunk_ids, sel.doc_id, True)}
+    try:
+        return {"chunks": service(request).cache.pin(sel.namespace, sel.chunk_ids, sel.doc_id, True)}
+    except PinQuotaExceeded as e:  # nothing pinned; the message names the quota and its setting
+        raise ApiError(409, str(e), param="doc_id" if sel.doc_id is not None else "chunk_ids") from None
 
 
 @router.post("/v1/cache/unpin")

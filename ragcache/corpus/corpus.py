@@ -16,7 +16,7 @@ from ..errors import NotFound, UserError
 from ..meta import Chunk, bump_index_versions
 from ..meta import Document as DocRow
 from .chunking import Document
-from .ingest import IngestReport, corpus_counts, ingest_documents, same_tokenizer
+from .ingest import IngestReport, corpus_counts, ingest_documents, keys_in_use, same_tokenizer
 from .readers import read_documents
 from .retrieval import Retriever
 
@@ -78,7 +78,7 @@ class Corpus:
             s.execute(delete(Chunk).where(Chunk.document_id == doc.id))
             s.delete(doc)
             keys = {k for _, k in chunks if k}
-            shared = set(s.scalars(select(Chunk.kv_key).where(Chunk.kv_key.in_(keys)))) if keys else set()
+            shared = keys_in_use(s, keys)
             bump_index_versions(s, [namespace])
         self.retriever.remove(namespace, [cid for cid, _ in chunks])
         for key in keys - shared:
@@ -103,6 +103,12 @@ class Corpus:
 
     def sync_index(self, namespace: str) -> int:
         return self.retriever.sync(namespace)
+
+    def prune_index(self) -> list[str]:
+        """FAISS partitions of namespaces that hold no chunk any more dropped; their files."""
+        with self.p.db.session() as s:
+            live = list(s.scalars(select(Chunk.namespace).distinct()))
+        return self.p.index.keep_only(live)
 
     def search(self, query: str, namespace: str = "default", k: int | None = None,
                retrieval: str | None = None) -> list[ChunkHit]:

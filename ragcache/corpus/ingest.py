@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from sqlalchemy import delete, func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
-from ..meta import Chunk, Database, bump_index_versions
+from ..meta import Chunk, Database, bump_index_versions, in_batches
 from ..meta import Document as DocRow
 from .chunking import Document, chunk_document
 
@@ -44,50 +46,89 @@ def ingest_documents(db: Database, tokenizer, tokenizer_ids: list[str], docs: li
     """`tokenizer_ids`: what chunks made by this tokenizer carry (the first is written); a document
     whose chunks another tokenizer made is re-tokenized even if its text is unchanged.
     `key_of(token_ids)`, when given, names the KV key a new chunk will have: a replaced document's
-    entries that its new chunks will use again are kept (KV is keyed by content), not orphaned."""
+    entries that its new chunks will use again are kept (KV is keyed by content), not orphaned.
+
+    Documents are chunked before the write transaction opens: SQLite's one write lock is never held
+    while tokenizing. A document another process adds or replaces meanwhile is taken as found."""
     report, new_ids = IngestReport(), {}  # external id → its new chunks' token ids (the last version wins)
-    tokenizer_id = tokenizer_ids[0]
     with db.session() as s:
-        existing = {d.external_id: d for d in s.scalars(select(DocRow).where(DocRow.namespace == namespace))}
-        foreign = set(s.scalars(select(Chunk.document_id).distinct().where(
-            Chunk.namespace == namespace, Chunk.model.not_in(tokenizer_ids))))
+        existing, foreign = _existing(s, namespace, tokenizer_ids)
+    chunked = {(d.external_id, d.text_hash): chunk_document(tokenizer, d, max_tokens) for d in docs
+               if not _is_unchanged(existing.get(d.external_id), d, foreign)}
+    with db.session() as s:
+        existing, foreign = _existing(s, namespace, tokenizer_ids)
         for doc in docs:
-            row = existing.get(doc.external_id)
-            if row is not None and row.text_hash == doc.text_hash and row.id not in foreign:
-                report.unchanged += 1
+            row = _document_row(s, existing, foreign, namespace, doc, tokenizer_ids, report)
+            if row is None:
                 continue
-            if row is not None:
-                old = list(s.scalars(select(Chunk).where(Chunk.document_id == row.id)))
-                report.removed_chunk_ids += [c.id for c in old]
-                report.orphan_kv_keys += [c.kv_key for c in old if c.kv_key]
-                report.chunks_removed += len(old)
-                s.execute(delete(Chunk).where(Chunk.document_id == row.id))
-                row.title, row.text_hash = doc.title, doc.text_hash
-                report.replaced += 1
-            else:
-                row = DocRow(namespace=namespace, external_id=doc.external_id, title=doc.title,
-                             text_hash=doc.text_hash)
-                s.add(row)
-                s.flush()
-                existing[doc.external_id] = row
-                report.added += 1
-            specs = chunk_document(tokenizer, doc, max_tokens)
+            specs = chunked.get((doc.external_id, doc.text_hash))
+            if specs is None:  # changed by another process between the two looks: chunked here (rare)
+                specs = chunked[doc.external_id, doc.text_hash] = chunk_document(tokenizer, doc, max_tokens)
             new_ids[doc.external_id] = [spec.token_ids for spec in specs]
             for spec in specs:
                 s.add(Chunk(document_id=row.id, namespace=namespace, ordinal=spec.ordinal, text=spec.text,
-                            heading=spec.heading or None, page=spec.page, n_tokens=len(spec.token_ids), token_ids=pack_ids(spec.token_ids),
-                            model=tokenizer_id))
+                            heading=spec.heading or None, page=spec.page, n_tokens=len(spec.token_ids),
+                            token_ids=pack_ids(spec.token_ids), model=tokenizer_ids[0]))
                 report.chunks_added += 1
         s.flush()
         if report.removed_chunk_ids:
             bump_index_versions(s, [namespace])  # other processes drop the old chunks from their indexes
         if report.orphan_kv_keys:
-            still_used = set(s.scalars(select(Chunk.kv_key).where(Chunk.kv_key.in_(report.orphan_kv_keys))))
-            report.orphan_kv_keys = sorted(set(report.orphan_kv_keys) - still_used)
+            report.orphan_kv_keys = sorted(set(report.orphan_kv_keys) - keys_in_use(s, report.orphan_kv_keys))
     if report.orphan_kv_keys and key_of is not None:  # after the commit: key_of may read SQL itself
         reused = {key_of(ids) for chunks in new_ids.values() for ids in chunks}
         report.orphan_kv_keys = sorted(set(report.orphan_kv_keys) - reused)
     return report
+
+
+def _existing(s: Session, namespace: str, tokenizer_ids: list[str]) -> tuple[dict[str, DocRow], set[int]]:
+    """The namespace's documents by external id, and the ids of those whose chunks another tokenizer made."""
+    existing = {d.external_id: d for d in s.scalars(select(DocRow).where(DocRow.namespace == namespace))}
+    foreign = set(s.scalars(select(Chunk.document_id).distinct().where(
+        Chunk.namespace == namespace, Chunk.model.not_in(tokenizer_ids))))
+    return existing, foreign
+
+
+def _is_unchanged(row: DocRow | None, doc: Document, foreign: set[int]) -> bool:
+    return row is not None and row.text_hash == doc.text_hash and row.id not in foreign
+
+
+def _document_row(s: Session, existing: dict[str, DocRow], foreign: set[int], namespace: str, doc: Document,
+                  tokenizer_ids: list[str], report: IngestReport) -> DocRow | None:
+    """`doc`'s row, added or emptied of its old chunks for new ones; None when it is unchanged."""
+    row = existing.get(doc.external_id)
+    if row is None:
+        try:
+            with s.begin_nested():
+                row = DocRow(namespace=namespace, external_id=doc.external_id, title=doc.title,
+                             text_hash=doc.text_hash)
+                s.add(row)
+            existing[doc.external_id] = row
+            report.added += 1
+            return row
+        except IntegrityError:  # the same new id, just added by a concurrent ingest: theirs is replaced
+            row = existing[doc.external_id] = s.scalars(select(DocRow).where(
+                DocRow.namespace == namespace, DocRow.external_id == doc.external_id)).one()
+            foreign |= set(s.scalars(select(Chunk.document_id).where(
+                Chunk.document_id == row.id, Chunk.model.not_in(tokenizer_ids))))
+    if _is_unchanged(row, doc, foreign):
+        report.unchanged += 1
+        return None
+    s.refresh(row, with_for_update=True)  # a concurrent replace of the same document finishes first
+    old = list(s.scalars(select(Chunk).where(Chunk.document_id == row.id)))
+    report.removed_chunk_ids += [c.id for c in old]
+    report.orphan_kv_keys += [c.kv_key for c in old if c.kv_key]
+    report.chunks_removed += len(old)
+    s.execute(delete(Chunk).where(Chunk.document_id == row.id))
+    foreign.discard(row.id)
+    row.title, row.text_hash = doc.title, doc.text_hash
+    report.replaced += 1
+    return row
+
+
+def keys_in_use(s: Session, keys) -> set[str]:
+    """Those of `keys` some chunk still names (in batches: a replace may drop 100K chunks)."""
+    return {k for part in in_batches(set(keys)) for k in s.scalars(select(Chunk.kv_key).where(Chunk.kv_key.in_(part)))}
 
 
 def pack_ids(token_ids) -> bytes:

@@ -20,7 +20,8 @@ from datetime import datetime, timedelta
 import numpy as np
 from sqlalchemy import func, or_, select, update
 
-from ..meta import Chunk, Database, Job, bump_index_versions, utcnow
+from ..corpus.ingest import keys_in_use
+from ..meta import Chunk, Database, Job, bump_index_versions, in_batches, utcnow
 
 log = logging.getLogger("ragcache.precompute")
 
@@ -97,6 +98,16 @@ def commit(db: Database, job_id: int, worker: str, done, vectors, failed, attemp
         s.execute(update(Job).where(Job.id == job_id).values(
             done=Job.done + ok, failed=Job.failed + bad, tokens=Job.tokens + sum(n for *_, n in done)))
         return ok + bad
+
+
+def orphaned(db: Database, done) -> set[str]:
+    """Keys of `done` chunks deleted while they were computed (their document removed or replaced)
+    that no chunk names: blobs stored for nothing, for the caller to delete."""
+    with db.session() as s:
+        ids = [d[0] for d in done]
+        alive = {i for part in in_batches(ids) for i in s.scalars(select(Chunk.id).where(Chunk.id.in_(part)))}
+        keys = {key for cid, _, key, *_ in done if cid not in alive}
+        return keys - keys_in_use(s, keys) if keys else set()
 
 
 def retry_failed(db: Database, namespace: str | None) -> int:

@@ -7,11 +7,14 @@ counter commit together, and only for the worker that holds the claim), and prog
 readable by anyone. Workers claim small batches: on PostgreSQL with SELECT … FOR UPDATE SKIP
 LOCKED, so processes on several machines share a job; on SQLite one worker at a time (a file
 lock), and a second one is told so. Embeddings are written to the chunk rows; the FAISS index
-is brought in line with SQL when the job ends (and at every service start).
+is brought in line with SQL when the job ends (and at every service start). A chunk whose KV no
+tier has room for (every one full of pinned entries) is done all the same: embedded and retrievable,
+its KV computed when used, as if evicted at once; a full tier is not the chunk's failure.
 """
 from __future__ import annotations
 
 import fcntl
+import logging
 import multiprocessing
 import os
 import time
@@ -29,8 +32,11 @@ from ..corpus.ingest import unpack_ids
 from ..errors import UserError
 from ..meta import Chunk, Database
 from ..parts import Parts
+from ..store import StoreFull
 from . import claims
 from .rows import LOCK_FILE, count_chunks, finish_job_if_empty, join_or_start_job
+
+log = logging.getLogger("ragcache.precompute")
 
 
 @dataclass
@@ -90,6 +96,8 @@ def run_precompute(settings: Settings, workers: int = 1, namespace: str | None =
         finish_job_if_empty(db, job_id, namespace)
         for ns in _namespaces(db, namespace):
             corpus.sync_index(ns)
+        if namespace is None:
+            corpus.prune_index()
         return summary
     finally:
         if lock is not None:
@@ -146,11 +154,16 @@ def _work(parts: Parts, job_id: int, namespace: str | None, worker: str, on_batc
                     if write is not None:
                         write.result()
                     done.append((cid, ns, key, text, n))
+                except StoreFull as e:  # every tier full of pins (another tenant's, say): not this chunk's
+                    log.warning("chunk %d done without a stored KV, computed when used: %s", cid, e)  # failure
+                    done.append((cid, ns, key, text, n))  # retrievable, its KV as if evicted at once
                 except Exception as e:  # noqa: BLE001
                     failed.append((cid, f"{type(e).__name__}: {e}"))
             vectors = parts.embedder.embed([t for _, _, _, t, _ in done]) if done else []
             ended = claims.commit(db, job_id, worker, done, vectors, failed, cfg.precompute_attempts,
                                   cfg.retry_backoff_s)
+            for key in claims.orphaned(db, done):
+                parts.store.delete(key)  # its chunk was deleted meanwhile: no blob without a chunk
             heartbeat.beat()
             if on_batch:
                 on_batch(ended)
@@ -164,7 +177,7 @@ def _single_writer_lock(settings: Settings, db: Database, workers: int):
         raise UserError("SQLite allows one precompute worker at a time: use --workers 1, or PostgreSQL "
                         "(RAGCACHE_DATABASE_URL=postgresql+psycopg://…) for several")
     path = settings.home / LOCK_FILE
-    f = open(path, "a+")
+    f = open(path, "a+", errors="replace")  # a damaged holder line is still read
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

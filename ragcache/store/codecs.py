@@ -11,6 +11,7 @@ The calibration of a model is a small JSON file in RAGCACHE_HOME/codec/, written
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from ..config import KV_CODEC
 from .compact import Spec
 
 DEFAULT = "compact-k3v3"  # what `compact` is for a model that was never calibrated
+log = logging.getLogger("ragcache.store")
 
 
 def calibration_path(home: Path, fingerprint: str) -> Path:
@@ -31,8 +33,11 @@ def spec_for(name: str, num_layers: int, home: Path, fingerprint: str) -> Spec |
     if name == "compact":
         path = calibration_path(home, fingerprint)
         if path.exists():
-            cal = json.loads(path.read_text())
-            return Spec("compact", tuple(cal["k_bits"]), tuple(cal["v_bits"]))
+            try:
+                cal = json.loads(path.read_bytes())
+                return Spec("compact", tuple(map(int, cal["k_bits"])), tuple(map(int, cal["v_bits"])))
+            except (ValueError, KeyError, TypeError):  # a damaged file must not fail every store write
+                log.warning("%s is damaged: %s is written until `ragcache calibrate-codec` rewrites it", path, DEFAULT)
         return spec_for(DEFAULT, num_layers, home, fingerprint)
     m = KV_CODEC.fullmatch(name)
     if m is None or m.group(1) is None:

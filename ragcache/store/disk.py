@@ -6,12 +6,17 @@ are kept in SQL (ledger.py); nothing here lists or stats the blobs at start.
 """
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
+import re
 import threading
 import uuid
 from pathlib import Path
 
 SUFFIX = ".safetensors"
+_ID = re.compile(r"[A-Za-z0-9_-]{1,59}")  # what `_identity` writes: a uuid4 hex
+log = logging.getLogger("ragcache.store")
 
 
 class DiskTier:
@@ -24,19 +29,30 @@ class DiskTier:
         self.store_id = f"disk:{self._identity()}"
 
     def _identity(self) -> str:
+        """The directory's store id, written by the first process to open it. A STORE_ID that holds no
+        id (damaged, truncated) names a store no row can be found for any more: the directory is
+        adopted as a new store and its blobs swept, rather than failing every request."""
         path = self.root / "STORE_ID"
-        try:
-            return path.read_text().strip()
-        except FileNotFoundError:
-            tmp = self.root / f".STORE_ID.{os.getpid()}.{threading.get_ident()}.tmp"
-            tmp.write_text(uuid.uuid4().hex)
+        with open(self.root / ".STORE_ID.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one process names (or re-names) the directory at a time
             try:
-                os.link(tmp, path)  # the first process to name the directory wins; the others read its name
-            except FileExistsError:
-                pass
-            finally:
-                tmp.unlink()
-            return path.read_text().strip()
+                found = path.read_bytes().decode("ascii", "replace").strip()
+            except FileNotFoundError:
+                found = None
+            if found is not None and _ID.fullmatch(found):
+                return found
+            if found is not None:
+                log.warning("%s is damaged: %s is adopted as a new store, its blobs swept", path, self.root)
+                for blob in self.root.glob(f"*/*{SUFFIX}"):
+                    blob.unlink(missing_ok=True)
+            new = uuid.uuid4().hex
+            tmp = self.root / f".STORE_ID.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(new)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            return new
 
     def _path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}{SUFFIX}"

@@ -19,7 +19,7 @@ from datetime import timedelta
 from sqlalchemy import delete, exists, func, inspect, select, text, update
 from sqlalchemy.exc import IntegrityError
 
-from ..meta import BlobStore, Database, KVCopy, KVEntry, utcnow
+from ..meta import BlobStore, Database, KVCopy, KVEntry, Pin, utcnow
 
 
 def gdsf_priority(clock: float, hits: int, cost: float, size: int) -> float:
@@ -88,7 +88,9 @@ class Ledger:
             s.execute(update(BlobStore).where(BlobStore.id == self.id).values(**values))
             s.delete(row)
             s.flush()
-            s.execute(delete(KVEntry).where(KVEntry.key == key, ~exists().where(KVCopy.key == key)))
+            gone = s.execute(delete(KVEntry).where(KVEntry.key == key, ~exists().where(KVCopy.key == key))).rowcount
+            if gone:  # its pins no longer count against any quota
+                s.execute(delete(Pin).where(Pin.key == key))
             return True
 
     def victims(self, n: int, skip: set[str]) -> list[str]:

@@ -6,7 +6,7 @@
   evicted or flushed);
 - eviction (lru or gdsf, per tier; blob tiers in SQL, shared by every process that writes them)
   demotes: evicted from CPU, still on disk; pinned entries are never evicted, and no tier goes
-  over its capacity for an unpinned entry;
+  over its capacity, for a pinned entry neither (pins.py keeps each namespace's pins in a quota);
 - blob tiers are stores with their own rows (kv_copies): a host's disk, the deployment's Redis.
   A process judges only the copies of its own stores, so another host's start or miss never
   touches this host's blobs;
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from sqlalchemy import select
 
 from ..meta import Database, KVEntry, utcnow
+from . import pins
 from .codec import CorruptBlob, StoredKV, checksum, from_bytes, to_bytes
 from .faults import FAILED as _FAILED
 from .faults import TierGuard
@@ -34,7 +35,6 @@ from .ladder import MemoryLadder, cost_of
 from .ledger import Ledger, adopt_legacy, copies_of
 from .tier import Tier
 
-_UNBOUNDED = 1 << 62  # a pinned entry's room in a blob store that has none left
 log = logging.getLogger("ragcache.store")
 
 
@@ -133,20 +133,18 @@ class TieredStore:
     def _reserve(self, tier, key: str, entry: StoredKV, nbytes: int) -> None:
         """Room for the blob in `tier`'s store, evicting its lowest-priority unpinned copies."""
         book, capacity, pinned = self._books[tier.name], tier.capacity_bytes(), key in self._pinned
-        if nbytes > capacity and not pinned:
+        if nbytes > capacity:
             raise StoreFull(f"{key} ({nbytes} bytes) is larger than the whole {tier.name} tier")
-        def reserved(room: int) -> bool:
-            return book.reserve(key, nbytes, room, entry.token_ids.numel(), entry.kv_dtype, cost_of(entry), pinned)
+        def reserved() -> bool:
+            return book.reserve(key, nbytes, capacity, entry.token_ids.numel(), entry.kv_dtype, cost_of(entry), pinned)
 
-        while not reserved(capacity):
+        while not reserved():
             victims = book.victims(8, skip=self._pinned | {key})
             if not victims:
-                if not pinned:
-                    raise StoreFull(f"{tier.name} tier is full of pinned entries")
-                capacity = _UNBOUNDED  # a pin always lands
+                raise StoreFull(f"{tier.name} tier is full of pinned entries")
             for victim in victims:  # one at a time: no more than the room needed
                 self._evict_blob(tier, victim)
-                if reserved(capacity):
+                if reserved():
                     return
 
     def _evict_blob(self, tier, key: str) -> None:
@@ -278,14 +276,19 @@ class TieredStore:
     def is_pinned(self, key: str) -> bool:
         return key in self._pinned
 
-    def set_pinned(self, key: str, pinned: bool) -> None:
-        """Pinned entries are never evicted; the mark is kept on the row, so it survives a restart."""
+    def pin(self, namespace: str, keys: list[str], quota: int) -> set[str]:
+        """Pin the stored ones of `keys` for `namespace`, within its `quota` of bytes (PinQuotaExceeded:
+        none); which are pinned. Pinned entries are never evicted; the mark is in SQL, so it survives a
+        restart and every process's eviction sees it."""
+        done = pins.pin(self.db, namespace, keys, quota)
         with self._lock:
-            (self._pinned.add if pinned else self._pinned.discard)(key)
-        with self.db.session() as s:
-            row = s.get(KVEntry, key)
-            if row is not None:
-                row.pinned = pinned
+            self._pinned |= done
+        return done
+
+    def unpin(self, namespace: str, keys: list[str]) -> None:
+        freed = pins.unpin(self.db, namespace, keys)
+        with self._lock:
+            self._pinned -= freed
 
     def evict(self, key: str) -> bool:
         """Drop an unpinned entry from every tier (the next request recomputes it); False if pinned."""

@@ -68,3 +68,15 @@ def test_recall_at_10_on_all_musique_passages(tmp_path, embedder):
         recalls.append(len(own & {i for i, _ in idx.search("musique", v, 10)}) / len(own))
     print(f"recall@10 over {len(data)} questions, {len(texts)} passages: {np.mean(recalls):.3f}")
     assert np.mean(recalls) >= RECALL_AT_10_BOUND
+
+
+def test_a_damaged_partition_file_starts_afresh_and_dead_namespaces_are_dropped(tmp_path):
+    idx = VectorIndex(tmp_path, 8)
+    for ns in ("a", "gone"):
+        idx.add(ns, np.arange(3), np.eye(3, 8, dtype=np.float32))
+        idx.save(ns)
+    (tmp_path / "a.flat.faiss").write_bytes(b"\x00garbage" * 10)
+    again = VectorIndex(tmp_path, 8)
+    assert again.count("a") == 0 and again.search("a", np.ones(8, np.float32), 2) == []  # refilled by a sync
+    assert again.keep_only(["a"]) == ["gone.flat.faiss"] and not (tmp_path / "gone.flat.faiss").exists()
+    assert (tmp_path / "a.flat.faiss").exists()

@@ -94,3 +94,14 @@ def test_a_frame_damaged_in_memory_does_not_decode():
     entry.frames[3] = entry.frames[3][:-5]
     with pytest.raises(CorruptBlob):
         decode(entry, torch.float32, torch.device("cpu"))
+
+
+def test_a_damaged_calibration_file_falls_back_to_the_default_widths(tmp_path):
+    from ragcache.store.codecs import DEFAULT, calibration_path
+
+    path = calibration_path(tmp_path, "fp")
+    path.parent.mkdir(parents=True)
+    default = spec_for(DEFAULT, 4, tmp_path, "fp")
+    for damage in (b"\xff\xfe{garbage", b'{"k_bits": 3}', b"[]"):
+        path.write_bytes(damage)
+        assert spec_for("compact", 4, tmp_path, "fp") == default  # it used to raise at every store write

@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import threading
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import event, func, select, update
 
 from ragcache.corpus.chunking import SEPARATOR, Document, chunk_document
 from ragcache.corpus.readers import read_documents
 from ragcache.errors import UserError
 from ragcache.corpus.ingest import ingest_documents
 from ragcache.meta import SCHEMA_VERSION, Chunk, Database, SchemaInfo
+from ragcache.meta import Document as DocRow
 
 from .conftest import pg_database
 
@@ -153,3 +155,86 @@ def test_a_corpus_ingested_in_float32_serves_a_bfloat16_model(tmp_path, smollm):
     assert out["answer"] and {c["tier"] for c in out["chunks"]} == {"computed"}  # its own KV, not float32's
     assert bf16.corpus.ingest_documents(docs).unchanged == 2  # nothing to re-ingest
     bf16.close()
+
+
+class _Tokenizer:
+    """The real tokenizer, with `during(n)` run at each of its calls (another writer, a meeting point)."""
+
+    def __init__(self, tokenizer, during):
+        self.tokenizer, self.during, self.calls = tokenizer, during, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        self.during(self.calls)
+        return self.tokenizer(*args, **kwargs)
+
+
+def test_another_writer_commits_while_an_ingest_tokenizes(tmp_path, smollm):
+    db = Database(f"sqlite:///{tmp_path / 'meta.db'}")
+    commits = []
+
+    def write(n):  # no waiting for a lock: the ingest must not hold SQLite's write lock while tokenizing
+        conn = sqlite3.connect(tmp_path / "meta.db", timeout=0)
+        with conn:
+            conn.execute("INSERT INTO index_versions (namespace, version) VALUES (?, 1)", (f"other{n}",))
+        conn.close()
+        commits.append(n)
+
+    docs = [Document(f"d{i}", "", LONG) for i in range(3)]
+    report = ingest_documents(db, _Tokenizer(smollm.tokenizer, write), ["fp"], docs, "ns", 64)
+    assert report.added == 3 and len(commits) > 3
+    db.dispose()
+
+
+def test_the_same_new_document_ingested_by_two_connections_at_once_is_one_document(smollm):
+    url, drop = pg_database()
+    meet, reports, errors = threading.Barrier(2), [], []
+
+    def together(_n):  # both ingests tokenize at the same moment, then both write
+        try:
+            meet.wait(timeout=5)
+        except threading.BrokenBarrierError:
+            pass
+
+    def ingest(i):
+        db = Database(url)
+        try:
+            docs = [Document("shared", "", LONG), Document(f"own{i}", "", "Its own short text.")]
+            reports.append(ingest_documents(db, _Tokenizer(smollm.tokenizer, together), ["fp"], docs, "ns", 64))
+        except Exception as e:  # noqa: BLE001 — reported below
+            errors.append(e)
+        finally:
+            db.dispose()
+
+    try:
+        threads = [threading.Thread(target=ingest, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        db = Database(url)
+        with db.session() as s:
+            ext = sorted(s.scalars(select(DocRow.external_id)))
+            per_doc = {d: n for d, n in s.execute(select(Chunk.document_id, func.count()).group_by(Chunk.document_id))}
+        db.dispose()
+        assert ext == ["own0", "own1", "shared"]
+        assert len(per_doc) == 3 and sum(r.added for r in reports) == 3
+    finally:
+        drop()
+
+
+def test_replacing_a_document_of_40k_done_chunks_stays_under_sqlites_variable_limit(tmp_path, smollm):
+    db = Database(f"sqlite:///{tmp_path / 'meta.db'}")
+    limit = lambda conn, _: conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 32766)  # noqa: E731 — a stock
+    event.listen(db.engine, "connect", limit)  # build's limit (Debian's is 250,000)
+    db.engine.dispose()
+    ingest_documents(db, smollm.tokenizer, ["fp"], [Document("big", "", "Short.")], "ns", 64)
+    with db.session() as s:
+        doc = s.scalars(select(DocRow.id)).one()
+        s.execute(Chunk.__table__.insert(), [dict(document_id=doc, namespace="ns", ordinal=i + 1, text="x", n_tokens=1,
+                                                  token_ids=b"\0\0\0\0", model="fp", kv_key=f"k{i}", state="done")
+                                             for i in range(40_000)])
+    report = ingest_documents(db, smollm.tokenizer, ["fp"], [Document("big", "", "Changed.")], "ns", 64)
+    assert report.replaced == 1 and report.chunks_removed == 40_001 and len(report.orphan_kv_keys) == 40_000
+    db.dispose()

@@ -262,3 +262,29 @@ def test_work_is_not_thrown_away(tmp_path, smollm):
     run_precompute(settings, progress=False, service=service)
     assert len(computed) == 1 and len(before & set(service.store.blobs[0].keys())) == len(before) - 1
     service.close()
+
+
+def test_a_document_deleted_while_its_chunks_are_computed_leaves_no_blob(tmp_path, smollm):
+    from ragcache.jobs.precompute import run_precompute
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text(json.dumps({"id": "kept", "text": "Paris is in France."}) + "\n" +
+                    json.dumps({"id": "gone", "text": "Rome is in Italy."}) + "\n")
+    settings = _settings(_env(tmp_path / "home", smollm, RAGCACHE_PRECOMPUTE_BATCH=8))
+    service = RagCache(settings)
+    service.ingest(docs)
+    real, deleted = service.prefill_for_store, []
+
+    def prefill_then_delete(ids):  # the document is deleted (over HTTP, say) while its batch computes
+        if not deleted:
+            deleted.append(service.corpus.delete_document("default", "gone"))
+        return real(ids)
+
+    service.prefill_for_store = prefill_then_delete
+    run_precompute(settings, progress=False, service=service)
+    with service.db.session() as s:
+        keys = set(s.scalars(select(Chunk.kv_key).where(Chunk.kv_key.is_not(None))))
+        copies = set(s.scalars(select(KVCopy.key)))
+    blobs = set(service.store.blobs[0].keys())
+    service.close()
+    assert len(keys) == 1 and copies == keys and blobs == keys  # no blob, no copy row without its chunk

@@ -102,6 +102,36 @@ def test_disk_full_of_pinned_entries_refuses_more(db, tmp_path):
         store.put("c", encode(fake_chunk(2), "float32"))
 
 
+def test_a_pinned_put_stays_inside_the_tier(db, tmp_path):
+    store = make_store(db, tmp_path, cpu_entries=1, disk_entries=2)
+    store.put("a", encode(fake_chunk(0), "float32"), pinned=True)
+    store.put("b", encode(fake_chunk(1), "float32"), pinned=True)
+    with pytest.raises(StoreFull):  # it used to land past the capacity
+        store.put("c", encode(fake_chunk(2), "float32"), pinned=True)
+    assert store.stats()["tiers"][1]["used_bytes"] <= store.blobs[0].capacity_bytes()
+
+
+def test_pins_are_counted_per_namespace_in_its_quota_all_or_nothing(db, tmp_path):
+    from ragcache.store.pins import PinQuotaExceeded
+
+    store = make_store(db, tmp_path)
+    for i in range(3):
+        store.put(f"k{i}", encode(fake_chunk(i), "float32"))
+    size = store.stats()["tiers"][1]["used_bytes"] // 3
+    assert store.pin("a", ["k0", "k1"], 2 * size) == {"k0", "k1"}
+    assert store.pin("a", ["k0"], 2 * size) == {"k0"}  # pinned already: counted once
+    with pytest.raises(PinQuotaExceeded, match="RAGCACHE_PIN_QUOTA_BYTES"):
+        store.pin("a", ["k2"], 2 * size)
+    assert not store.is_pinned("k2")
+    assert store.pin("b", ["k1", "k2"], 2 * size) == {"k1", "k2"}  # another namespace, its own quota
+    store.unpin("a", ["k0", "k1"])
+    assert not store.is_pinned("k0") and store.is_pinned("k1")  # b still pins k1
+    with db.session() as s:
+        assert not s.get(KVEntry, "k0").pinned and s.get(KVEntry, "k1").pinned
+    many = [f"absent{i}" for i in range(40_000)] + ["k0"]  # past SQLite's 32,766 variables, in one call
+    assert store.pin("a", many, 2 * size) == {"k0"}  # only what is stored is pinned
+
+
 def test_lru_and_gdsf_orders():
     lru = LRU()
     for k in "abc":
@@ -365,10 +395,22 @@ def test_pins_lookups_and_tier_eviction(db, tmp_path):
     store = make_store(db, tmp_path)
     for i in range(3):
         store.put(f"k{i}", encode(fake_chunk(i), "float32"))
-    store.set_pinned("k0", True)
+    assert store.pin("ns", ["k0", "not stored"], 1 << 30) == {"k0"}
     assert store.where("k0") == ["cpu", "disk"] and store.is_pinned("k0")
     assert not store.evict("k0") and store.evict("k1") and store.where("k1") == []
     assert store.evict_tier("cpu") == 1  # k2; the pinned k0 stays
     assert store.where("k2") == ["disk"] and store.where("k0") == ["cpu", "disk"]
     with db.session() as s:
         assert s.get(KVEntry, "k0").pinned
+
+
+def test_a_damaged_store_id_adopts_the_directory_as_a_new_store(db, tmp_path):
+    store = make_store(db, tmp_path)
+    store.put("k", encode(fake_chunk(0), "float32"))
+    old = store.blobs[0].store_id
+    (tmp_path / "kv" / "STORE_ID").write_bytes(b"\xff\xfe\x00garbage\x9c")
+    again = make_store(db, tmp_path)  # it used to raise UnicodeDecodeError, at every request
+    assert again.blobs[0].store_id != old and again.blobs[0].keys() == []  # its old blobs swept
+    assert again.get("k") is None
+    again.put("k", encode(fake_chunk(0), "float32"))
+    assert make_store(db, tmp_path).get("k").tier == "disk"  # the new name holds
