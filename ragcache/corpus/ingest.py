@@ -10,10 +10,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from sqlalchemy import delete, func, select
+from sqlalchemy.exc import IntegrityError
 
 from ..meta import Chunk, Database, bump_index_versions
 from ..meta import Document as DocRow
 from .chunking import Document, chunk_document
+
+_RACE_TRIES = 3  # the same new document id ingested at once through several replicas
 
 
 @dataclass
@@ -41,6 +44,18 @@ def same_tokenizer(model) -> list[str]:
 
 def ingest_documents(db: Database, tokenizer, tokenizer_ids: list[str], docs: list[Document], namespace: str,
                      max_tokens: int, key_of=None) -> IngestReport:
+    """`_ingest`, tried again when another process added one of the same new ids first (replicas ingesting
+    at once): its unique-index violation rolled this batch back, and the next try sees that row."""
+    for _ in range(_RACE_TRIES - 1):
+        try:
+            return _ingest(db, tokenizer, tokenizer_ids, docs, namespace, max_tokens, key_of)
+        except IntegrityError:
+            continue
+    return _ingest(db, tokenizer, tokenizer_ids, docs, namespace, max_tokens, key_of)
+
+
+def _ingest(db: Database, tokenizer, tokenizer_ids: list[str], docs: list[Document], namespace: str,
+            max_tokens: int, key_of=None) -> IngestReport:
     """`tokenizer_ids`: what chunks made by this tokenizer carry (the first is written); a document
     whose chunks another tokenizer made is re-tokenized even if its text is unchanged.
     `key_of(token_ids)`, when given, names the KV key a new chunk will have: a replaced document's
