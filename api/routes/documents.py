@@ -114,6 +114,8 @@ async def _files(request: Request) -> tuple[list[Document], list[str]]:
             except ValidationError as e:
                 err = e.errors()[0]
                 errors.append(f"{name}: {err['loc'][0]} {err['msg'].removeprefix('Value error, ')}")
+            except (ValueError, RecursionError) as e:  # its JSON: an integer too long, arrays nested too deep
+                errors.append(f"{name}: cannot be read ({json_problem(e)})")
     ids = [d.external_id for d in docs]
     if len(set(ids)) != len(ids):
         raise ApiError(422, "document ids (file names) repeat within the request", "files")

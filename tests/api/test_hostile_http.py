@@ -95,6 +95,10 @@ def test_numbers_too_long_and_json_too_deep_are_422(guarded):
             assert r.status_code == 422, (path, raw[:40], r.status_code, r.text[:300])
             words = "digits" if raw is not deep else "nested too deeply"
             assert words in r.json()["error"]["message"] and r.json()["error"]["param"] == "body", r.text
+        for name, raw in (("huge.jsonl", f'{{"id": {huge}, "text": "x"}}\n'), ("deep.json", deep)):  # as files too
+            r = a.post("/v1/documents", params={"namespace": "tenant-a"}, files={"files": (name, raw.encode())})
+            assert r.status_code == 422 and name in r.json()["error"]["message"], r.text
+            assert ("digits" if raw is not deep else "nested too deeply") in r.json()["error"]["message"], r.text
 
 
 def test_two_ingests_back_to_back_each_get_a_job_and_both_finish(guarded):
