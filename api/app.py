@@ -18,7 +18,7 @@ from ragcache.service import RagCache
 
 from . import errors
 from .metrics import Metrics
-from .middleware import BodyLimit, CountRequests
+from .middleware import BodyLimit, CountRequests, KeyFirst
 from .routes import cache, dashboard, documents, health, jobs, openai, rag
 
 
@@ -42,8 +42,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="ragcache", version="0.1.0", lifespan=lifespan,
                   description="RAG serving cache: precomputed chunk KV, stitched and repaired at query time.")
     errors.install(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(CountRequests)  # outermost: it counts the 413s too
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
+    app.add_middleware(KeyFirst, settings=settings)  # before any body is read
+    app.add_middleware(CountRequests)  # outermost: it counts the 401s and 413s too
     for module in (rag, openai, documents, jobs, cache, health, dashboard):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=dashboard.STATIC), name="static")

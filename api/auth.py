@@ -27,6 +27,10 @@ class Caller:
         if namespace not in self.namespaces:
             raise ApiError(403, f"this key has no access to namespace {namespace!r}", "namespace")
 
+    def sees(self, namespace: str | None) -> bool:
+        """Whether this caller may know that something of `namespace` exists."""
+        return self.namespaces is None or namespace in self.namespaces
+
     def require_admin(self) -> None:
         if not self.admin:
             raise ApiError(403, "this route needs the admin key (RAGCACHE_ADMIN_KEY)")
@@ -37,10 +41,15 @@ OPEN = Caller(admin=True, namespaces=None)
 
 def caller(request: Request) -> Caller:
     """The FastAPI dependency: who is calling."""
-    settings = request.app.state.service.settings
+    return identify(request.app.state.service.settings, request.headers.get("authorization", ""))
+
+
+def identify(settings, authorization: str) -> Caller:
+    """The caller an Authorization header names (401 for none, or an unknown key); the middleware that
+    refuses unknown keys before a body is read asks this too."""
     if not settings.auth:
         return OPEN
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise ApiError(401, "missing API key: send Authorization: Bearer <key>",
                        headers={"WWW-Authenticate": "Bearer"})

@@ -6,11 +6,13 @@ naming the field; unknown routes 404; anything unexpected 500 with a generic mes
 """
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ragcache.errors import Busy, Conflict, NotFound, UserError
@@ -48,6 +50,17 @@ def response(status: int, message: str, param: str | None = None, headers: dict 
     return JSONResponse(body(status, message, param), status_code=status, headers=headers)
 
 
+def json_problem(e: BaseException | None) -> str | None:
+    """What makes a body `json.loads` refused unusable, in words; None when `e` is no such refusal."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg} at line {e.lineno}"
+    if isinstance(e, RecursionError):
+        return "arrays or objects nested too deeply"
+    if isinstance(e, ValueError):  # an integer of more digits than Python converts (4300), say
+        return str(e).split(";")[0]
+    return None
+
+
 def from_exception(e: Exception) -> ApiError:
     """The HTTP status of an error raised by ragcache (or a bug: 500)."""
     if isinstance(e, ApiError):
@@ -62,6 +75,8 @@ def from_exception(e: Exception) -> ApiError:
         return ApiError(409, str(e))
     if isinstance(e, UserError):
         return ApiError(400 if e.usage else 503, str(e))
+    if isinstance(e, DataError):  # a value the schema let through but SQL cannot store: still the input's fault
+        return ApiError(422, "a value in the request cannot be stored (too long, or holding a NUL character)")
     log.error("unexpected error", exc_info=e)
     return ApiError(500, f"internal error ({type(e).__name__}); the server log has the details")
 
@@ -94,6 +109,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_r: Request, e: StarletteHTTPException):
+        if (problem := json_problem(e.__cause__)) is not None:  # FastAPI's "error parsing the body"
+            return response(422, f"the body is not usable JSON: {problem}", "body")
         return response(e.status_code, str(e.detail), headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)

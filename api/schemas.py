@@ -3,14 +3,26 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ragcache.config import CHOICES, MODES
 
 Mode = Literal[MODES]  # type: ignore[valid-type]
 Retrieval = Literal[CHOICES["retrieval"]]  # type: ignore[valid-type]
-Namespace = Field(default="default", min_length=1, max_length=128)
 RowId = Annotated[int, Field(ge=1, le=2**31 - 1)]  # a SQL integer key
+DOC_ID_CHARS = 512  # documents.external_id's width
+
+
+def storable(v: str) -> str:
+    """A string that reaches SQL: PostgreSQL's text cannot hold NUL (a 500 there, were it let through)."""
+    if "\x00" in v:
+        raise ValueError("holds a NUL character, which cannot be stored")
+    return v
+
+
+SqlText = Annotated[str, AfterValidator(storable)]
+NamespaceName = Annotated[str, Field(min_length=1, max_length=128), AfterValidator(storable)]
+DocId = Annotated[str, Field(min_length=1, max_length=DOC_ID_CHARS), AfterValidator(storable)]
 
 
 class Strict(BaseModel):
@@ -19,7 +31,7 @@ class Strict(BaseModel):
 
 class GenerateRequest(Strict):
     query: str = Field(min_length=1, max_length=20000)
-    namespace: str = Namespace
+    namespace: NamespaceName = "default"
     top_k: int | None = Field(default=None, ge=1, le=64)
     mode: Mode | None = None
     recompute_ratio: float | None = Field(default=None, ge=0, le=1,
@@ -90,7 +102,7 @@ class Message(BaseModel):
 
 
 class RagOptions(Strict):
-    namespace: str = Namespace
+    namespace: NamespaceName = "default"
     top_k: int | None = Field(default=None, ge=1, le=64)
     mode: Mode | None = None
     recompute_ratio: float | None = Field(default=None, ge=0, le=1)
@@ -134,8 +146,18 @@ class ChatRequest(BaseModel):
 class DocumentIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
     id: str | int
-    title: str = ""
-    text: str = Field(min_length=1)
+    title: SqlText = ""
+    text: SqlText = Field(min_length=1)
+
+    @field_validator("id", mode="after")
+    @classmethod
+    def _id(cls, v: str | int) -> str:
+        v = str(v)
+        if not v.strip():
+            raise ValueError("is empty")
+        if len(v) > DOC_ID_CHARS:
+            raise ValueError(f"is over {DOC_ID_CHARS} characters")
+        return storable(v)
 
 
 class DocumentsIn(Strict):
@@ -143,14 +165,13 @@ class DocumentsIn(Strict):
 
 
 class JobRequest(Strict):
-    namespace: str | None = Field(default=None, min_length=1, max_length=128,
-                                  description="None: every namespace (admin key only)")
+    namespace: NamespaceName | None = Field(default=None, description="None: every namespace (admin key only)")
 
 
 class ChunkSelector(Strict):
-    namespace: str = Namespace
+    namespace: NamespaceName = "default"
     chunk_ids: list[RowId] | None = Field(default=None, min_length=1, max_length=10000)
-    doc_id: str | None = Field(default=None, min_length=1)
+    doc_id: DocId | None = None
 
     @model_validator(mode="after")
     def _one(self):
@@ -160,9 +181,9 @@ class ChunkSelector(Strict):
 
 
 class EvictRequest(Strict):
-    namespace: str | None = Field(default=None, min_length=1, max_length=128)
+    namespace: NamespaceName | None = None
     chunk_ids: list[RowId] | None = Field(default=None, min_length=1, max_length=10000)
-    doc_id: str | None = Field(default=None, min_length=1)
+    doc_id: DocId | None = None
     tier: Literal["gpu", "cpu", "disk", "redis"] | None = Field(default=None, description="admin: empty a tier")
 
     @model_validator(mode="after")

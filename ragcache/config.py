@@ -92,6 +92,8 @@ class Settings(BaseSettings):
     # model on CPU: a half-size copy fbgemm widens inside its GEMM; prefill and recompute keep float32)
     max_step_rows: int = 8192  # recomputed rows one scheduler step admits (at least one request; longer: × layers)
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
+    max_connections: int = 256  # open connections (and requests) beyond this get 503 (uvicorn limit_concurrency)
+    body_timeout_s: float = 30.0  # a request body that takes longer to arrive gets 408: slow uploads hold nothing
     api_keys: dict[str, list[str]] = {}  # key → namespaces it may use (JSON); empty: no auth
     admin_key: str | None = None  # reaches every namespace and the whole-cache routes
 
@@ -138,7 +140,8 @@ class Settings(BaseSettings):
     @field_validator("chunk_tokens", "precompute_batch", "top_k", "lease_seconds", "max_new_tokens", "max_queue",
                      "precompute_attempts",
                      "max_tokens_cap",
-                     "max_body_bytes", "kv_budget_bytes", "max_step_rows", "admission_window")
+                     "max_body_bytes", "kv_budget_bytes", "max_step_rows", "admission_window",
+                     "max_connections", "body_timeout_s")
     @classmethod
     def _positive(cls, v: int) -> int:
         if v < 1:

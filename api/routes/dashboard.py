@@ -15,13 +15,12 @@ from ..deps import service
 from ..errors import ApiError, documented
 
 STATIC = Path(__file__).resolve().parents[1] / "static"
-router = APIRouter(tags=["dashboard"], responses=documented(401, 404, 422))
+router = APIRouter(tags=["dashboard"], responses=documented(401, 403, 404, 422))
 
 
 @router.get("/", include_in_schema=False)
 async def page():
     return FileResponse(STATIC / "index.html")
-
 
 
 @router.get("/v1/requests/recent")
@@ -34,7 +33,8 @@ def _latest(request: Request) -> Path:
 
 
 @router.get("/v1/eval/latest")
-def eval_latest(request: Request, _who: Caller = Depends(caller)):
+def eval_latest(request: Request, who: Caller = Depends(caller)):
+    who.require_admin()  # every eval question and a path of this host: not a tenant's to read
     path = _latest(request) / "results.json"
     if not path.is_file():
         return {"available": False}
@@ -44,7 +44,8 @@ def eval_latest(request: Request, _who: Caller = Depends(caller)):
 
 
 @router.get("/v1/eval/latest/pareto.png", response_class=FileResponse)
-def eval_plot(request: Request, _who: Caller = Depends(caller)):
+def eval_plot(request: Request, who: Caller = Depends(caller)):
+    who.require_admin()
     path = _latest(request) / "pareto.png"
     if not path.is_file():
         raise ApiError(404, "no evaluation has run in this server's home: ragcache eval")

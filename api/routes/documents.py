@@ -4,8 +4,9 @@ unless `precompute=false`; GET and DELETE /v1/documents/{id}."""
 from __future__ import annotations
 
 import json
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
@@ -15,9 +16,11 @@ from ragcache.errors import Conflict, UserError
 
 from ..auth import Caller, caller
 from ..deps import on_prep_thread, service
-from ..errors import ApiError, documented
-from ..schemas import DocumentIn
+from ..errors import ApiError, documented, json_problem
+from ..schemas import DocId, DocumentIn, NamespaceName
 
+NamespaceQuery = Annotated[NamespaceName, Query()]
+DocPath = Annotated[DocId, Path()]
 router = APIRouter(tags=["documents"], responses=documented(401, 403, 404, 413, 422, 429))
 
 _DOC = {"type": "object", "required": ["id", "text"],
@@ -42,8 +45,8 @@ def _parse(raw: bytes, content_type: str) -> list[Document]:
     if "json" in content_type and "ndjson" not in content_type and "jsonl" not in content_type:
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ApiError(422, f"the body is not JSON ({e.msg} at line {e.lineno})", "body") from None
+        except (ValueError, RecursionError) as e:
+            raise ApiError(422, f"the body is not usable JSON ({json_problem(e)})", "body") from None
         rows = data.get("documents") if isinstance(data, dict) else data
     else:
         rows = []
@@ -51,8 +54,8 @@ def _parse(raw: bytes, content_type: str) -> list[Document]:
             if line.strip():
                 try:
                     rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ApiError(422, f"line {n} is not JSON ({e.msg})", f"line {n}") from None
+                except (ValueError, RecursionError) as e:
+                    raise ApiError(422, f"line {n} is not usable JSON ({json_problem(e)})", f"line {n}") from None
     if not isinstance(rows, list) or not rows:
         raise ApiError(422, 'expected a non-empty list of {"id", "title", "text"} documents', "documents")
     try:
@@ -61,25 +64,23 @@ def _parse(raw: bytes, content_type: str) -> list[Document]:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
         raise ApiError(422, f"documents.{where}: {err['msg']}", f"documents.{where}") from None
-    ids = [str(d.id) for d in docs]
-    if any(not i.strip() for i in ids):
-        raise ApiError(422, "a document id is empty", "documents.id")
+    ids = [d.id for d in docs]  # text, bounded and storable (DocumentIn)
     if len(set(ids)) != len(ids):
         raise ApiError(422, "document ids repeat within the request", "documents.id")
-    return [Document(str(d.id), d.title, d.text) for d in docs]
+    return [Document(d.id, d.title, d.text) for d in docs]
 
 
 @router.post("/v1/documents", openapi_extra=_BODY,
              description="Ingest documents into a namespace, then (unless precompute=false) start a precompute job.")
-async def add_documents(request: Request, namespace: str = Query("default", min_length=1, max_length=128),
-                        precompute: bool = True, who: Caller = Depends(caller)):
+async def add_documents(request: Request, namespace: NamespaceQuery = "default", precompute: bool = True,
+                        who: Caller = Depends(caller)):
     who.allow(namespace)
     content_type = request.headers.get("content-type", "application/json")
     errors: list[str] = []
     if content_type.startswith("multipart/form-data"):
         docs, errors = await _files(request)
     else:
-        docs = _parse(await request.body(), content_type)
+        docs = await run_in_threadpool(_parse, await request.body(), content_type)  # MiBs of JSON: off the loop
     svc = service(request)
     report = await on_prep_thread(request, lambda: svc.corpus.ingest_documents(docs, namespace))
     job, job_error = None, None
@@ -104,9 +105,17 @@ async def _files(request: Request) -> tuple[list[Document], list[str]]:
         for _key, upload in uploads:
             name = (upload.filename or "").strip() or "upload"
             try:
-                docs += await run_in_threadpool(read_file, name, await upload.read())
+                found = await run_in_threadpool(read_file, name, await upload.read())
+                for doc in found:  # named by the file: bounded and storable like a JSON document's fields
+                    DocumentIn(id=doc.external_id, title=doc.title, text=doc.text)
+                docs += found
             except UserError as e:
                 errors.append(f"{name}: {e}")
+            except ValidationError as e:
+                err = e.errors()[0]
+                errors.append(f"{name}: {err['loc'][0]} {err['msg'].removeprefix('Value error, ')}")
+            except (ValueError, RecursionError) as e:  # its JSON: an integer too long, arrays nested too deep
+                errors.append(f"{name}: cannot be read ({json_problem(e)})")
     ids = [d.external_id for d in docs]
     if len(set(ids)) != len(ids):
         raise ApiError(422, "document ids (file names) repeat within the request", "files")
@@ -116,14 +125,14 @@ async def _files(request: Request) -> tuple[list[Document], list[str]]:
 
 
 @router.get("/v1/documents/{doc_id:path}")
-def get_document(doc_id: str, request: Request, namespace: str = Query("default", min_length=1),
-                       who: Caller = Depends(caller)):
+def get_document(doc_id: DocPath, request: Request, namespace: NamespaceQuery = "default",
+                 who: Caller = Depends(caller)):
     who.allow(namespace)
     return service(request).corpus.document(namespace, doc_id)
 
 
 @router.delete("/v1/documents/{doc_id:path}")
-def delete_document(doc_id: str, request: Request, namespace: str = Query("default", min_length=1),
+def delete_document(doc_id: DocPath, request: Request, namespace: NamespaceQuery = "default",
                     who: Caller = Depends(caller)):
     who.allow(namespace)
     return service(request).corpus.delete_document(namespace, doc_id)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -19,25 +21,35 @@ from ..errors import Conflict, NotFound
 from ..meta import Job, utcnow
 from .rows import LOCK_FILE, join_or_start_job
 
+_SERVER_ONLY = {"api_keys", "admin_key"}  # settings a precompute child is not given
+_ERROR_LINE = re.compile(r"([A-Za-z_][\w.]*(?:Error|Exception|Interrupt))(?::|$)")  # a traceback's last line
+
 
 class Jobs:
     def __init__(self, parts):
         self.p = parts
         self._children: dict[int, tuple[subprocess.Popen, str | None]] = {}  # job id → (process, namespace)
+        self._queued: dict[int, str | None] = {}  # SQLite: job id → namespace, to start when no child runs
         self._lock = threading.Lock()
+        self._closed = False
 
     def start(self, namespace: str | None) -> dict:
-        """Start (or join the running) precompute job for `namespace` (None: every namespace)."""
+        """Start (or join the running) precompute job for `namespace` (None: every namespace). On SQLite, while
+        a child of ours runs (or, its job just finished, is still exiting with the one-writer lock), the job is
+        queued: it starts when that child exits, so the caller never has to retry."""
         with self._lock:
             self._reap()
-            for job_id, (_, ns) in self._children.items():
-                if ns == namespace:
+            for job_id, ns in [*((j, ns) for j, (_, ns) in self._children.items()), *self._queued.items()]:
+                if ns == namespace and self._row(job_id)["state"] == "running":
                     return self._row(job_id)
-            if self.p.db.is_sqlite and (self._children or self._lock_held()):
-                raise Conflict("a precompute is already running on this SQLite database; wait for it, or use "
-                               "PostgreSQL (RAGCACHE_DATABASE_URL) for several at once")
+            if self.p.db.is_sqlite and not self._children and self._lock_held():
+                raise Conflict("a precompute is already running on this SQLite database (another process); wait "
+                               "for it, or use PostgreSQL (RAGCACHE_DATABASE_URL) for several at once")
             job_id = join_or_start_job(self.p.db, namespace)
-            self._launch(job_id, namespace)
+            if self.p.db.is_sqlite and self._children:
+                self._queued[job_id] = namespace
+            else:
+                self._launch(job_id, namespace)
             return self._row(job_id)
 
     def _launch(self, job_id: int, namespace: str | None) -> None:
@@ -48,6 +60,14 @@ class Jobs:
         proc = subprocess.Popen(cmd, env=self._child_env(), stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         self._children[job_id] = (proc, namespace)
         log.close()
+        threading.Thread(target=self._watch, args=(proc,), name=f"job-{job_id}", daemon=True).start()
+
+    def _watch(self, proc: subprocess.Popen) -> None:
+        """Reap a child as soon as it exits, so its failure is written and a queued job starts at once."""
+        proc.wait()
+        with self._lock:
+            if not self._closed:
+                self._reap()
 
     def get(self, job_id: int) -> dict:
         with self._lock:
@@ -68,18 +88,21 @@ class Jobs:
             return len(self._children)
 
     def _reap(self) -> None:
-        """Children that ended (the lock held): a failure is written on the job, with its last line; a
-        child that ended while chunks it could claim were still pending (ingested after its last claim)
-        is started again on the same job."""
+        """Children that ended (the lock held): a failure is written on the job; a child that ended while
+        chunks it could claim were still pending (ingested after its last claim) is started again on the
+        same job; with no child left, the first queued job starts."""
         for job_id, (proc, namespace) in list(self._children.items()):
             code = proc.poll()
             if code is None:
                 continue
             del self._children[job_id]
             if code != 0:
-                self._end(job_id, "failed", f"precompute exited with status {code}: {self._last_line(job_id)}")
+                self._end(job_id, "failed", self._failure(job_id, code))
             elif self._row(job_id)["state"] == "running" and corpus_counts(self.p.db, namespace).get("pending"):
                 self._launch(job_id, namespace)
+        if self._queued and not self._children:
+            job_id = next(iter(self._queued))
+            self._launch(job_id, self._queued.pop(job_id))
 
     def _end(self, job_id: int, state: str, reason: str) -> None:
         with self.p.db.session() as s:
@@ -87,12 +110,12 @@ class Jobs:
             if job is not None and job.state == "running":
                 job.state, job.error, job.finished = state, reason[:2000], utcnow()
 
-    def _last_line(self, job_id: int) -> str:
+    def _failure(self, job_id: int, code: int) -> str:
         try:
-            lines = (self.p.settings.home / f"job-{job_id}.log").read_text(errors="replace").strip().splitlines()
+            lines = (self.p.settings.home / f"job-{job_id}.log").read_text(errors="replace").splitlines()
         except OSError:
-            return "no output"
-        return lines[-1] if lines else "no output"
+            lines = []
+        return exit_reason(code, lines, f"job-{job_id}.log")
 
     def _lock_held(self) -> bool:
         """Another process holds SQLite's one-precompute lock (the CLI, say)."""
@@ -108,9 +131,10 @@ class Jobs:
             return False
 
     def _child_env(self) -> dict[str, str]:
-        """This server's settings, as the child's RAGCACHE_* environment, with the job's thread share."""
+        """This server's settings, as the child's RAGCACHE_* environment, with the job's thread share; the
+        keys stay in the server (a precompute child serves nobody)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAGCACHE_")}
-        for name, value in self.p.settings.model_dump().items():
+        for name, value in self.p.settings.model_dump(exclude=_SERVER_ONLY).items():
             if value is None:
                 continue
             env[f"RAGCACHE_{name.upper()}"] = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
@@ -120,6 +144,10 @@ class Jobs:
     def close(self) -> None:
         """Stop the children; their jobs say so, and resume from SQL when started again."""
         with self._lock:
+            self._closed = True
+            for job_id in self._queued:
+                self._end(job_id, "stopped", "the server stopped; POST /v1/jobs/precompute resumes the work")
+            self._queued.clear()
             for proc, _ in self._children.values():
                 proc.terminate()
             for job_id, (proc, _) in self._children.items():
@@ -129,6 +157,18 @@ class Jobs:
                     proc.kill()
                 self._end(job_id, "stopped", "the server stopped; POST /v1/jobs/precompute resumes the work")
             self._children.clear()
+
+
+def exit_reason(code: int, log_lines: list[str], log_name: str) -> str:
+    """What failed, for a job's `error`: the exit status and the kind of error, never the child's own words
+    (they may name hosts, users and paths; the log in the server's home keeps them for its operator)."""
+    if code < 0:
+        return f"precompute was killed by signal {signal.Signals(-code).name}; see {log_name} in the server's home"
+    kind = next((m[1].rsplit(".", 1)[-1] for line in reversed(log_lines) if (m := _ERROR_LINE.match(line))), None)
+    if kind is None and any(line.startswith("ragcache: error:") for line in log_lines[-3:]):
+        kind = "a setting or the environment"
+    return f"precompute exited with status {code}" + (f" ({kind})" if kind else "") + \
+        f"; see {log_name} in the server's home"
 
 
 def _as_dict(job: Job) -> dict:
