@@ -4,7 +4,7 @@
     admission.ready(ticket, prep)      # retrieved and loaded (from the prep thread): in line for the budget
     admission.admit()                  # the head of the line while its KV fits RAGCACHE_KV_BUDGET_BYTES
     admission.take_prefill(cap, L)     # admitted prompts whose recomputed rows fit one step's cap
-    admission.release(kv_bytes)        # a finished, failed or cancelled request gives its budget back
+    admission.release(prep)            # a finished, failed or cancelled request gives its budget back
 
 The scheduler owns the lock: every method but `release` is called holding it. This is the room where
 fairness between tenants and the serving KV's precision would weigh in.
@@ -71,22 +71,27 @@ class Admission:
             self.stats.queue_wait.observe(now - ticket.submitted)
             self.admitted.append((ticket, prep))
 
-    def take_prefill(self, cap: int, num_layers: int) -> tuple[list[tuple[Ticket, Prepared]], bool]:
+    def take_prefill(self, cap: int, num_layers: int):
         """(admitted prompts whose recomputed rows fit `cap` together, whether the one alone is too long for a
-        step); a too-long one is always taken alone, to be recomputed across steps."""
-        rows, batch = 0, []
+        step, [(ticket, prep, exception)] of those whose plan raised: they left the line, their budget still
+        reserved); a too-long one is always taken alone, to be recomputed across steps."""
+        rows, batch, failed = 0, [], []
         while self.admitted:
-            n = self.admitted[0][1].plan(num_layers).recompute_rows
+            try:
+                n = self.admitted[0][1].plan(num_layers).recompute_rows
+            except Exception as e:  # noqa: BLE001 — that request's own failure, for the scheduler to report
+                failed.append((*self.admitted.popleft(), e))
+                continue
             if batch and rows + n > cap:
                 break
             batch.append(self.admitted.popleft())
             if n > cap:  # too long for one step: in pieces, alone
-                return batch, True
+                return batch, True, failed
             rows += n
-        return batch, False
+        return batch, False, failed
 
-    def release(self, kv_bytes: int) -> None:
-        self.kv_in_use -= kv_bytes
+    def release(self, prep: Prepared) -> None:
+        self.kv_in_use -= prep.kv_bytes
 
     def finished(self, seconds: float) -> None:
         """A request answered in `seconds`, submit to done: what Retry-After estimates from."""
