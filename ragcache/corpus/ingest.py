@@ -47,6 +47,7 @@ def ingest_documents(db: Database, tokenizer, tokenizer_ids: list[str], docs: li
     entries that its new chunks will use again are kept (KV is keyed by content), not orphaned."""
     report, new_ids = IngestReport(), {}  # external id → its new chunks' token ids (the last version wins)
     tokenizer_id = tokenizer_ids[0]
+    chunked = _chunk_changed(db, tokenizer, tokenizer_ids, docs, namespace, max_tokens)
     with db.session() as s:
         existing = {d.external_id: d for d in s.scalars(select(DocRow).where(DocRow.namespace == namespace))}
         foreign = set(s.scalars(select(Chunk.document_id).distinct().where(
@@ -71,7 +72,7 @@ def ingest_documents(db: Database, tokenizer, tokenizer_ids: list[str], docs: li
                 s.flush()
                 existing[doc.external_id] = row
                 report.added += 1
-            specs = chunk_document(tokenizer, doc, max_tokens)
+            specs = chunked.get(doc.external_id) or chunk_document(tokenizer, doc, max_tokens)  # changed since
             new_ids[doc.external_id] = [spec.token_ids for spec in specs]
             for spec in specs:
                 s.add(Chunk(document_id=row.id, namespace=namespace, ordinal=spec.ordinal, text=spec.text,
@@ -88,6 +89,18 @@ def ingest_documents(db: Database, tokenizer, tokenizer_ids: list[str], docs: li
         reused = {key_of(ids) for chunks in new_ids.values() for ids in chunks}
         report.orphan_kv_keys = sorted(set(report.orphan_kv_keys) - reused)
     return report
+
+
+def _chunk_changed(db: Database, tokenizer, tokenizer_ids: list[str], docs: list[Document], namespace: str,
+                   max_tokens: int) -> dict:
+    """external id → chunks of each document that is new or changed, tokenized before the write transaction
+    opens: SQLite's one writer lock is never held while thousands of documents tokenize."""
+    with db.session() as s:
+        known = dict(s.execute(select(DocRow.external_id, DocRow.text_hash).where(DocRow.namespace == namespace)).all())
+        foreign = set(s.scalars(select(DocRow.external_id).join(Chunk, Chunk.document_id == DocRow.id).where(
+            DocRow.namespace == namespace, Chunk.model.not_in(tokenizer_ids))))
+    return {d.external_id: chunk_document(tokenizer, d, max_tokens) for d in docs
+            if known.get(d.external_id) != d.text_hash or d.external_id in foreign}
 
 
 def pack_ids(token_ids) -> bytes:
