@@ -3,9 +3,11 @@
     ticket = scheduler.submit_generation(ask, on_event)      # a request, batched with the others
     ticket = scheduler.submit(lambda t: work(), on_event)    # other work off the event loop (ingest, warm)
 
-Two threads. The prep thread (`prep.PrepThread`) does what is not model work, in arrival order:
+Three threads. The prep thread (`prep.PrepThread`) does what is not model work, tenants in turn:
 tokenizing, retrieval (FAISS) and loading chunk KV from the store tiers, so that they overlap
-decoding; it also runs `submit`'s work items. The model thread, this module, loops over `step()`:
+decoding. The side worker (`side.SideWorker`) runs `submit`'s work items (ingest, warm-up) and custom
+system prompts' prefills, which would stall the prep thread. The model thread, this module, loops
+over `step()`:
 
     admit   prepared requests while their KV fits RAGCACHE_KV_BUDGET_BYTES (`admission.Admission`)
     prefill the admitted ones whose recomputed rows fit RAGCACHE_MAX_STEP_ROWS (one at least), batched;
@@ -34,9 +36,10 @@ import torch
 
 from blend.batch import decode_batch, fuse_batch
 
-from .admission import Admission
+from .admission import Admission, Limits
 from .piecewise import Piecewise
 from .prep import PrepThread
+from .side import SideWorker
 from .sequence import Prepared, Sequence
 from .tally import ServingStats
 from .ticket import Ticket
@@ -48,13 +51,14 @@ class Scheduler:
     def __init__(self, service, max_queue: int):
         self.service = service
         self.stats = ServingStats()
-        self.admission = Admission(max_queue, service.settings.kv_budget_bytes, self.stats)
+        self.admission = Admission(Limits.of(service.settings, max_queue), self.stats, service.generation.prefixes)
         self._cond = threading.Condition()  # guards `admission`; `_running` and `_piecewise` are the model thread's
         self._running: list[tuple[Ticket, Sequence]] = []
         self._piecewise: Piecewise | None = None  # a long prompt recomputed across steps
         self._stop = False
         self._threads = 0
-        self._prep_thread = PrepThread(service, self._cond, self._hand_over, self.admission.leave)  # shares the lock
+        self._side = SideWorker(self._cond, self.admission.leave)  # both share the lock
+        self._prep_thread = PrepThread(service, self._cond, self._hand_over, self.admission.leave, self._side)
         self._model_thread = threading.Thread(target=self._model_loop, name="ragcache-model", daemon=True)
         self._model_thread.start()
 
@@ -66,7 +70,7 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return (len(self.admission.admitted) + len(self._running) + self._prep_thread.busy
+        return (len(self.admission.admitted) + len(self._running) + self._side.busy
                 + (self._piecewise is not None))
 
     @property
@@ -80,15 +84,15 @@ class Scheduler:
     # ---- submitting ---------------------------------------------------------------------------
 
     def submit(self, work: Callable[[Ticket], Any], on_event: Callable[[str, Any], None]) -> Ticket:
-        return self._enqueue(Ticket(on_event, work=work))
+        return self._enqueue(Ticket(on_event, work=work), self._side.put)
 
     def submit_generation(self, ask, on_event: Callable[[str, Any], None]) -> Ticket:
-        return self._enqueue(Ticket(on_event, ask=ask))
+        return self._enqueue(Ticket(on_event, ask=ask), self._prep_thread.put)
 
-    def _enqueue(self, ticket: Ticket) -> Ticket:
+    def _enqueue(self, ticket: Ticket, put: Callable[[Ticket], None]) -> Ticket:
         with self._cond:
-            self.admission.enter(self.running)
-        self._prep_thread.put(ticket)
+            self.admission.enter(self.running, ticket.tenant)
+        put(ticket)
         return ticket
 
     def _hand_over(self, ticket: Ticket, prep: Prepared) -> None:
@@ -271,6 +275,7 @@ class Scheduler:
 
     def close(self) -> None:
         """Cancel what runs and what waits (each gets its "cancelled", a work item sees its cancel), then stop."""
+        self._side.stop()
         self._prep_thread.stop()
         with self._cond:
             self._stop = True
@@ -280,4 +285,5 @@ class Scheduler:
         for ticket in [*self.admission.clear(), *(t for t, _ in self._running), *piecewise]:
             ticket.emit("cancelled", None)
         self._running.clear()
+        self._side.close()
         self._prep_thread.close()

@@ -19,6 +19,12 @@ class Ticket:
         self.on_event, self.work, self.ask = on_event, work, ask
         self.cancelled = threading.Event()
         self.submitted = time.perf_counter()
+        self.prefix = None  # a request's custom prompt head KV, once the side worker computed it
+
+    @property
+    def tenant(self) -> str | None:
+        """Whose share a request counts against (None: a work item)."""
+        return self.ask.who if self.ask is not None else None
 
     def emit(self, kind: str, payload: Any) -> None:
         """Tell the listener; one that raises (a closed event loop) is its own trouble, never the caller's:

@@ -37,7 +37,7 @@ def sched(corpus_home, tmp_path_factory, smollm):
     service.close()
 
 
-def _submit(sched: Scheduler, query: str, mode: str = "reuse"):
+def _submit(sched: Scheduler, query: str, mode: str = "reuse", tokens: int = 4):
     done, box = threading.Event(), []
 
     def on_event(kind, payload):
@@ -45,7 +45,7 @@ def _submit(sched: Scheduler, query: str, mode: str = "reuse"):
             box.append((kind, payload))
             done.set()
 
-    sched.submit_generation(Ask(query, NAMESPACE, top_k=2, mode=mode, max_new_tokens=4, ignore_eos=True), on_event)
+    sched.submit_generation(Ask(query, NAMESPACE, top_k=2, mode=mode, max_new_tokens=tokens, ignore_eos=True), on_event)
     return done, box
 
 
@@ -85,8 +85,12 @@ def _inject(monkeypatch, sched: Scheduler, stage: str) -> None:
 @pytest.mark.parametrize("stage", ["plan", "prefill", "piece", "advance", "result", "decode"])
 def test_an_exception_at_any_stage_fails_that_request_alone(sched, monkeypatch, stage):
     _inject(monkeypatch, sched, stage)
-    victim = _submit(sched, VICTIM, mode="full" if stage == "piece" else "reuse")
-    others = [_submit(sched, q) for q in OTHERS]
+    if stage == "decode":  # the victim joins a decode batch of the others
+        others = [_submit(sched, q, tokens=12) for q in OTHERS]
+        victim = _submit(sched, VICTIM)
+    else:  # the victim leads a prefill batch
+        victim = _submit(sched, VICTIM, mode="full" if stage == "piece" else "reuse")
+        others = [_submit(sched, q) for q in OTHERS]
     for done, _ in [victim, *others]:
         assert done.wait(180), f"a request never answered after a fault in {stage}"
     assert victim[1][0][0] == "error" and isinstance(victim[1][0][1], Injected)
@@ -103,3 +107,19 @@ def test_a_generate_answers_while_the_jobs_lock_is_held(sched):
         done, box = _submit(sched, OTHERS[1])
         assert done.wait(120), "the model thread waited on the jobs lock"
     assert box[0][0] == "done"
+
+
+def test_a_custom_system_prompt_is_cached_per_namespace_inside_the_budget(sched):
+    """Tenant A's prompt X is computed on the side worker and kept for A; B's first use of X is a miss."""
+    gen, x = sched.service.generation, "Answer in as few words as you can, and never guess."
+    a = Ask(OTHERS[0], NAMESPACE, top_k=2, mode="reuse", max_new_tokens=4, system=x)
+    assert gen.needs_prefix(a)
+    done, box = threading.Event(), []
+    sched.submit_generation(a, lambda kind, p: kind != "text" and (box.append((kind, p)), done.set()))
+    assert done.wait(180) and box[0][0] == "done", box
+    assert not gen.needs_prefix(a)  # cached for A's namespace
+    assert gen.needs_prefix(Ask(OTHERS[0], "another-tenant", system=x))  # a miss for B, as a cold prompt is
+    assert 0 < gen.prefixes.nbytes <= gen.prefixes.max_bytes
+    with sched._cond:
+        sched.admission.prefixes.shrink(0)  # what admission does when a request needs the budget
+    assert gen.prefixes.nbytes == 0 and gen.needs_prefix(a)

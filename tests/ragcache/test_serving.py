@@ -11,6 +11,7 @@ import pytest
 from blend.prompt import QUESTION, chat_frame, conversation, encode
 from ragcache.config import Settings
 from ragcache.errors import Busy
+from ragcache.serving.prefixes import PrefixCache
 from ragcache.serving.scheduler import Scheduler
 from ragcache.serving.textstream import TextStream
 
@@ -37,7 +38,8 @@ def test_split_characters_and_stray_bytes_stream_as_the_whole_decode(smollm):
     tok, rng = smollm.tokenizer, random.Random(0)
     byte_ids = [i for t, i in tok.get_vocab().items() if len(t) == 1]
     for _ in range(200):
-        ids = [rng.choice(byte_ids) if rng.random() < 0.6 else rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
+        ids = [rng.choice(byte_ids) if rng.random() < 0.6 else rng.randrange(len(tok))
+               for _ in range(rng.randrange(1, 40))]
         text, stream = _streamed(tok, ids)
         assert text == tok.decode(ids, skip_special_tokens=True).strip() == stream.sent, ids
 
@@ -80,7 +82,9 @@ def test_earlier_turns_follow_the_passages_and_a_system_prompt_makes_its_own_hea
 
 
 def _scheduler(max_queue: int) -> Scheduler:
-    service = SimpleNamespace(settings=Settings(threads=1), jobs=SimpleNamespace(working=lambda: 0))
+    settings = Settings(threads=1)
+    service = SimpleNamespace(settings=settings, jobs=SimpleNamespace(working=lambda: 0),
+                              generation=SimpleNamespace(prefixes=PrefixCache(SimpleNamespace(settings=settings))))
     return Scheduler(service, max_queue)
 
 
