@@ -5,6 +5,7 @@ every configured key is compared, so timing tells nothing about which one nearly
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from .errors import ApiError
 class Caller:
     admin: bool
     namespaces: frozenset[str] | None  # None: every namespace
+    tenant: str | None = None  # whose fair share its requests count against (its key's digest); None: the namespace
 
     def allow(self, namespace: str | None) -> None:
         """403 unless this caller may act on `namespace` (None: every namespace, admin only)."""
@@ -63,4 +65,4 @@ def identify(settings, authorization: str) -> Caller:
         return OPEN
     if found is None:
         raise ApiError(401, "unknown API key", headers={"WWW-Authenticate": "Bearer"})
-    return Caller(admin=False, namespaces=frozenset(found))
+    return Caller(admin=False, namespaces=frozenset(found), tenant="key-" + hashlib.sha256(given).hexdigest()[:16])

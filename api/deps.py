@@ -39,7 +39,7 @@ def record(request: Request, route: str, ask: Ask, result: dict) -> None:
 
 
 async def on_prep_thread(request: Request, work):
-    """Run `work()` on the scheduler's prep thread, in line with requests' retrieval (the tokenizer and the
-    embedder are used by one thread at a time)."""
+    """Run `work()` on the scheduler's side worker (an ingest), never in the way of requests' retrieval; it
+    counts as a waiting request (RAGCACHE_MAX_QUEUE) until it starts."""
     scheduler = request.app.state.scheduler
     return await TicketStream(lambda on_event: scheduler.submit(lambda _t: work(), on_event)).result(request)

@@ -94,7 +94,7 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks whose output goes into BENCHMARKS.md")
     b.add_argument("what", choices=["load", "prefill", "blend", "store", "precompute", "retrieval", "coverage",
-                                    "http", "serve", "decode"])
+                                    "http", "serve", "decode", "tenants"])
     b.add_argument("--tokens", type=_positive, default=2048, help="prefill: input length")
     b.add_argument("--repeats", type=_positive, default=5)
     b.add_argument("--dataset", default="demo/data/musique_dev.json",
@@ -110,8 +110,9 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="coverage: print the results as JSON")
     b.add_argument("--chunks", type=_positive, default=None, help="precompute: chunks (40); retrieval: index size (10000)")
     b.add_argument("--seconds", type=_positive, default=60, help="http: how long the load runs")
-    b.add_argument("--clients", type=_ints, default=[1, 4, 8, 16], help="serve: concurrent clients, comma-separated")
-    b.add_argument("--rounds", type=_positive, default=2, help="serve: requests per client")
+    b.add_argument("--clients", type=_ints, default=[1, 4, 8, 16],
+                   help="serve: concurrent clients, comma-separated; tenants: the flooder's (the largest)")
+    b.add_argument("--rounds", type=_positive, default=2, help="serve: requests per client; tenants: B's requests")
     b.add_argument("--new-tokens", type=_positive, default=64, help="serve: tokens decoded per request; decode: "
                    "greedy answer length")
     b.add_argument("--parts", type=_parts, default=list(STORE_PARTS),

@@ -85,6 +85,10 @@ class Settings(BaseSettings):
     threads: int = 0  # torch threads of this process; 0: every core (less a running job's share)
     job_threads: int = 0  # torch threads of a precompute job the server starts; 0: half the cores
     max_queue: int = 64  # requests waiting for the model beyond this get 429
+    # one tenant's share (an API key; the namespace without keys); 0: derived from the global limits
+    tenant_max_queue: int = 0  # its waiting requests beyond this get 429; 0: half of max_queue
+    tenant_max_running: int = 0  # its requests prefilling or decoding at once (more wait); 0: a quarter of max_queue
+    tenant_max_tokens: int = 0  # KV rows (prompt + max_tokens) its running requests hold; 0: half the KV budget
     kv_budget_bytes: int = 4 << 30  # fused KV caches of running requests, together; more wait (one alone: 400)
     kv_cache_dtype: str = "auto"  # what running sequences keep their fused KV in: auto (the model's dtype) | float32
     # | bfloat16 | int8 (a float32 scale per layer, head and token); the fused prefill works at the model's dtype
@@ -94,6 +98,8 @@ class Settings(BaseSettings):
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
     max_connections: int = 256  # open connections (and requests) beyond this get 503 (uvicorn limit_concurrency)
     body_timeout_s: float = 30.0  # a request body that takes longer to arrive gets 408: slow uploads hold nothing
+    max_messages: int = 256  # a chat request with more messages gets 413
+    max_message_chars: int = 200_000  # characters of a chat request's messages together; more: 413
     api_keys: dict[str, list[str]] = {}  # key → namespaces it may use (JSON); empty: no auth
     admin_key: str | None = None  # reaches every namespace and the whole-cache routes
 
@@ -141,7 +147,7 @@ class Settings(BaseSettings):
                      "precompute_attempts",
                      "max_tokens_cap",
                      "max_body_bytes", "kv_budget_bytes", "max_step_rows", "admission_window",
-                     "max_connections", "body_timeout_s")
+                     "max_connections", "body_timeout_s", "max_messages", "max_message_chars")
     @classmethod
     def _positive(cls, v: int) -> int:
         if v < 1:
@@ -150,7 +156,7 @@ class Settings(BaseSettings):
 
     @field_validator("gpu_cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "redis_cache_bytes", "epic_k",
                      "threads", "job_threads", "retry_backoff_s", "orphan_grace_s", "probe_layers", "rerank",
-                     "pin_quota_bytes")
+                     "pin_quota_bytes", "tenant_max_queue", "tenant_max_running", "tenant_max_tokens")
     @classmethod
     def _nonneg(cls, v: float) -> float:
         if v < 0:

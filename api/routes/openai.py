@@ -35,7 +35,18 @@ async def models(request: Request, _who: Caller = Depends(caller)):
                                         "owned_by": "ragcache"}]}
 
 
-def _ask(req: ChatRequest) -> Ask:
+def _bounded(req: ChatRequest, settings) -> None:
+    """413 for a conversation past the server's bounds: its turns are tokenized on the prep thread."""
+    if len(req.messages) > settings.max_messages:
+        raise ApiError(413, f"{len(req.messages)} messages is over this server's limit of {settings.max_messages} "
+                            "(RAGCACHE_MAX_MESSAGES)", "messages")
+    chars = sum(len(m.text()) for m in req.messages)
+    if chars > settings.max_message_chars:
+        raise ApiError(413, f"the messages hold {chars} characters, over this server's limit of "
+                            f"{settings.max_message_chars} (RAGCACHE_MAX_MESSAGE_CHARS)", "messages")
+
+
+def _ask(req: ChatRequest, who: Caller) -> Ask:
     system = [m.text() for m in req.messages if m.role in ("system", "developer")]
     turns = [(m.role, m.text()) for m in req.messages if m.role in ("user", "assistant")]
     *history, (_, query) = turns
@@ -46,7 +57,7 @@ def _ask(req: ChatRequest) -> Ask:
     return Ask(query, rag.namespace, rag.top_k, rag.mode, rag.recompute_ratio, rag.epic_k,
                req.max_completion_tokens or req.max_tokens, req.temperature, req.top_p, req.seed,
                history=tuple(history), system="\n\n".join(system) if system else None, explain=rag.explain,
-               ignore_eos=req.ignore_eos, retrieval=rag.retrieval, rerank=rag.rerank)
+               ignore_eos=req.ignore_eos, retrieval=rag.retrieval, rerank=rag.rerank, tenant=who.tenant)
 
 
 def _usage(result: dict) -> dict:
@@ -70,7 +81,8 @@ async def chat(req: ChatRequest, request: Request, who: Caller = Depends(caller)
     if req.model != model_id(request):
         raise ApiError(404, f"model {req.model!r} is not served here; GET /v1/models lists {model_id(request)!r}",
                        "model")
-    ask = _ask(req)
+    _bounded(req, service(request).settings)
+    ask = _ask(req, who)
     stream, first = await start_generation(request, ask)
     cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
     head = {"id": cid, "created": created, "model": req.model}

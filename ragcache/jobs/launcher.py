@@ -81,11 +81,11 @@ class Jobs:
                 raise NotFound(f"no job {job_id}")
             return _as_dict(job)
 
-    def running(self) -> int:
-        """Children of this process still working."""
-        with self._lock:
-            self._reap()
-            return len(self._children)
+    def working(self) -> int:
+        """Children still running, without the lock: what the model thread asks every step, never waiting on
+        a `start` that holds the lock across SQL and a spawn. A snapshot of the children, each polled without
+        blocking (Popen.poll takes no lock it would wait for); `_reap` writes their ends later."""
+        return sum(proc.poll() is None for proc, _ in list(self._children.values()))
 
     def _reap(self) -> None:
         """Children that ended (the lock held): a failure is written on the job; a child that ended while

@@ -1,92 +1,189 @@
-"""Who runs next: the queue limit at the door, then the KV budget at admission, first come first served.
+"""Who runs next: the queue limits at the door, then the KV budget at admission, tenants in turn.
 
-    admission.enter()                  # a submit: Busy past RAGCACHE_MAX_QUEUE waiting requests
-    admission.ready(ticket, prep)      # retrieved and loaded (from the prep thread): in line for the budget
-    admission.admit()                  # the head of the line while its KV fits RAGCACHE_KV_BUDGET_BYTES
+    admission.enter(running, tenant)   # a submit: Busy past RAGCACHE_MAX_QUEUE waiting requests, or past
+                                       # the tenant's RAGCACHE_TENANT_MAX_QUEUE
+    admission.ready(ticket, prep)      # retrieved and loaded (from the prep thread): in its tenant's line
+    admission.admit()                  # tenants' heads in turn, while their KV fits the budget and their share
     admission.take_prefill(cap, L)     # admitted prompts whose recomputed rows fit one step's cap
-    admission.release(kv_bytes)        # a finished, failed or cancelled request gives its budget back
+    admission.release(prep)            # a finished, failed or cancelled request gives its budget back
 
-The scheduler owns the lock: every method but `release` is called holding it. This is the room where
-fairness between tenants and the serving KV's precision would weigh in.
+A tenant is an API key (the namespace, without keys; `Ask.who`). Its share of what runs at once:
+RAGCACHE_TENANT_MAX_RUNNING requests and RAGCACHE_TENANT_MAX_TOKENS tokens of KV (prompt + max_tokens);
+a tenant at its share waits while the others' requests pass it, one alone always runs. The tenant whose
+turn it is and that is within its share waits for the budget: nobody passes it, so nobody starves.
+
+Cached custom prompt heads (`prefixes.PrefixCache`) hold part of the budget too, and give way to a request.
+
+The scheduler owns the lock: every method is called holding it.
 """
 from __future__ import annotations
 
 import math
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from ..errors import Busy
+from .fair import RoundRobin
 from .sequence import Prepared
 from .tally import ServingStats
 from .ticket import Ticket
 
 
+@dataclass
+class Share:
+    """One tenant's requests in flight."""
+
+    waiting: int = 0  # submitted, not yet admitted
+    running: int = 0  # admitted: budget reserved, prefilling or decoding
+    kv_bytes: int = 0  # the budget its running requests reserve
+    tokens: int = 0  # their KV rows
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.running)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_queue: int  # waiting requests, every tenant together
+    kv_budget: int  # bytes of KV reserved by running requests, together
+    tenant_queue: int  # one tenant's waiting requests
+    tenant_running: int  # one tenant's running requests
+    tenant_tokens: int  # one tenant's KV rows running at once; 0: half the budget (in bytes)
+
+    @classmethod
+    def of(cls, settings, max_queue: int) -> "Limits":
+        """From the settings; a tenant limit of 0 is derived from the global ones."""
+        s = settings
+        return cls(max_queue, s.kv_budget_bytes, s.tenant_max_queue or max(1, max_queue // 2),
+                   s.tenant_max_running or max(1, max_queue // 4), s.tenant_max_tokens)
+
+
 class Admission:
-    def __init__(self, max_queue: int, kv_budget: int, stats: ServingStats):
-        self.max_queue, self.kv_budget, self.stats = max_queue, kv_budget, stats
-        self.ready_line: deque[tuple[Ticket, Prepared]] = deque()  # retrieved and loaded, waiting for budget
+    def __init__(self, limits: Limits, stats: ServingStats, prefixes):
+        self.limits, self.kv_budget, self.stats = limits, limits.kv_budget, stats
+        self.prefixes = prefixes  # prefixes.PrefixCache: custom prompt heads' KV, inside the budget
+        self.ready_lines = RoundRobin()  # (ticket, prep) per tenant: retrieved and loaded, waiting for budget
         self.admitted: deque[tuple[Ticket, Prepared]] = deque()  # budget reserved, waiting for their prefill
+        self.shares: dict[str | None, Share] = {}  # tenant → its requests in flight (None: work items)
         self.waiting = 0  # submitted, not yet admitted (nor failed, cancelled, or started as a work item)
         self.kv_in_use = 0
         self.seconds_per_item = 1.0  # moving average of a request's time, for Retry-After
 
     @property
     def has_work(self) -> bool:
-        return bool(self.ready_line or self.admitted)
+        return bool(self.ready_lines or self.admitted)
 
-    def enter(self, running: int) -> None:
-        """One more waiting request, or Busy with a Retry-After estimate when the line is full."""
-        if self.waiting >= self.max_queue:
-            wait = math.ceil(self.seconds_per_item * (1 + self.waiting / max(1, running)))
-            raise Busy(f"{self.waiting} requests are waiting (RAGCACHE_MAX_QUEUE={self.max_queue}); "
-                       f"retry in {wait} s", retry_after=max(1, wait))
+    def enter(self, running: int, tenant: str | None) -> None:
+        """One more waiting request, or Busy with a Retry-After estimate when the line (or the tenant's) is full."""
+        lim, share = self.limits, self.shares.get(tenant) or Share()
+        if self.waiting >= lim.max_queue:
+            self._busy(f"{self.waiting} requests are waiting (RAGCACHE_MAX_QUEUE={lim.max_queue})", self.waiting,
+                       running)
+        if tenant is not None and share.waiting >= lim.tenant_queue:
+            self._busy(f"this tenant has {share.waiting} requests waiting (RAGCACHE_TENANT_MAX_QUEUE="
+                       f"{lim.tenant_queue})", share.waiting, share.running)
+        self.shares[tenant] = share
+        share.waiting += 1
         self.waiting += 1
 
-    def leave(self) -> None:
+    def _busy(self, why: str, waiting: int, running: int):
+        wait = math.ceil(self.seconds_per_item * (1 + waiting / max(1, running)))
+        raise Busy(f"{why}; retry in {wait} s", retry_after=max(1, wait))
+
+    def leave(self, tenant: str | None) -> None:
         """A waiting request failed or was cancelled before it was ready, or a work item started."""
         self.waiting -= 1
+        self._share(tenant).waiting -= 1
+        self._forget(tenant)
 
     def ready(self, ticket: Ticket, prep: Prepared) -> None:
-        self.ready_line.append((ticket, prep))
+        self.ready_lines.put(ticket.tenant, (ticket, prep))
 
     def drop_cancelled(self) -> None:
         """Cancelled tickets leave both lines (giving back what they reserved) and hear so."""
-        for line, reserved in ((self.ready_line, False), (self.admitted, True)):
-            for item in [x for x in line if x[0].cancelled.is_set()]:
-                line.remove(item)
-                if reserved:
-                    self.kv_in_use -= item[1].kv_bytes
-                else:
-                    self.waiting -= 1
-                item[0].emit("cancelled", None)
+        for ticket, prep in self.ready_lines.remove_if(lambda x: x[0].cancelled.is_set()):
+            self.leave(ticket.tenant)
+            ticket.emit("cancelled", None)
+        for item in [x for x in self.admitted if x[0].cancelled.is_set()]:
+            self.admitted.remove(item)
+            self.release(item[1])
+            item[0].emit("cancelled", None)
 
     def admit(self) -> None:
-        """First come, first served: the head waits until its KV fits (no later request passes it)."""
-        now = time.perf_counter()
-        while self.ready_line and self.kv_in_use + self.ready_line[0][1].kv_bytes <= self.kv_budget:
-            ticket, prep = self.ready_line.popleft()
-            self.waiting -= 1
-            self.kv_in_use += prep.kv_bytes
-            self.stats.kv_peak = max(self.stats.kv_peak, self.kv_in_use)
-            self.stats.queue_wait.observe(now - ticket.submitted)
-            self.admitted.append((ticket, prep))
+        """Tenants in turn: the head of each line within its tenant's share, while it fits the budget."""
+        now, admitted = time.perf_counter(), True
+        while admitted:
+            admitted = False
+            for tenant, (ticket, prep) in self.ready_lines.heads():
+                if not self._within_share(self._share(tenant), prep):
+                    continue  # its own requests hold its share: the others pass it
+                room = self.kv_budget - self.kv_in_use - prep.kv_bytes
+                if room < 0:
+                    return  # its turn: it waits for the budget
+                self.prefixes.shrink(room)  # cached prompt heads give way to a request
+                self.ready_lines.take(tenant)
+                self._reserve(ticket, prep, now)
+                admitted = True
 
-    def take_prefill(self, cap: int, num_layers: int) -> tuple[list[tuple[Ticket, Prepared]], bool]:
+    def _within_share(self, share: Share, prep: Prepared) -> bool:
+        lim = self.limits
+        if share.running == 0:
+            return True  # one alone always runs (it fits the whole budget: checked before it waited)
+        if share.running >= lim.tenant_running:
+            return False
+        if lim.tenant_tokens:
+            return share.tokens + prep.kv_rows <= lim.tenant_tokens
+        return share.kv_bytes + prep.kv_bytes <= self.kv_budget // 2
+
+    def _reserve(self, ticket: Ticket, prep: Prepared, now: float) -> None:
+        share = self._share(ticket.tenant)
+        share.waiting -= 1
+        share.running += 1
+        share.kv_bytes += prep.kv_bytes
+        share.tokens += prep.kv_rows
+        self.waiting -= 1
+        self.kv_in_use += prep.kv_bytes
+        self.stats.kv_peak = max(self.stats.kv_peak, self.kv_in_use)
+        self.stats.queue_wait.observe(now - ticket.submitted)
+        self.admitted.append((ticket, prep))
+
+    def take_prefill(self, cap: int, num_layers: int):
         """(admitted prompts whose recomputed rows fit `cap` together, whether the one alone is too long for a
-        step); a too-long one is always taken alone, to be recomputed across steps."""
-        rows, batch = 0, []
+        step, [(ticket, prep, exception)] of those whose plan raised: they left the line, their budget still
+        reserved); a too-long one is always taken alone, to be recomputed across steps."""
+        rows, batch, failed = 0, [], []
         while self.admitted:
-            n = self.admitted[0][1].plan(num_layers).recompute_rows
+            try:
+                n = self.admitted[0][1].plan(num_layers).recompute_rows
+            except Exception as e:  # noqa: BLE001 — that request's own failure, for the scheduler to report
+                failed.append((*self.admitted.popleft(), e))
+                continue
             if batch and rows + n > cap:
                 break
             batch.append(self.admitted.popleft())
             if n > cap:  # too long for one step: in pieces, alone
-                return batch, True
+                return batch, True, failed
             rows += n
-        return batch, False
+        return batch, False, failed
 
-    def release(self, kv_bytes: int) -> None:
-        self.kv_in_use -= kv_bytes
+    def release(self, prep: Prepared) -> None:
+        tenant = prep.ask.who
+        share = self._share(tenant)
+        share.running -= 1
+        share.kv_bytes -= prep.kv_bytes
+        share.tokens -= prep.kv_rows
+        self.kv_in_use -= prep.kv_bytes
+        self._forget(tenant)
+
+    def _share(self, tenant: str | None) -> Share:
+        return self.shares.setdefault(tenant, Share())
+
+    def _forget(self, tenant: str | None) -> None:
+        """A tenant with nothing in flight leaves the table (namespaces are many; the table stays small)."""
+        if tenant in self.shares and self.shares[tenant].idle:
+            del self.shares[tenant]
 
     def finished(self, seconds: float) -> None:
         """A request answered in `seconds`, submit to done: what Retry-After estimates from."""
@@ -94,6 +191,7 @@ class Admission:
 
     def clear(self) -> list[Ticket]:
         """Every ticket in either line, which leave them (the scheduler is closing)."""
-        tickets = [t for t, _ in [*self.ready_line, *self.admitted]]
-        self.ready_line.clear(), self.admitted.clear()
+        tickets = [t for t, _ in [*self.ready_lines, *self.admitted]]
+        self.ready_lines.remove_if(lambda _x: True)
+        self.admitted.clear()
         return tickets

@@ -11,12 +11,12 @@ the numbers, before any model work.
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
-from blend import ChunkKV, KVCache, compute_prefix, fuse_and_prefill, make_policy, tokens_only
+from blend import ChunkKV, KVCache, fuse_and_prefill, make_policy, tokens_only
 from blend.batch import decode_batch
 from blend.reweight import Reweight, Reweighted
 from blend.decode import Sampling
@@ -29,6 +29,7 @@ from ..errors import NotFound, UserError
 from ..meta import ModelDefault
 from ..store import decode as decode_kv
 from ..store.layers import decode_layerwise
+from .prefixes import PrefixCache
 from .rerank import rerank
 from .sequence import Prepared, Sequence
 
@@ -53,6 +54,12 @@ class Ask:
     ignore_eos: bool = False
     retrieval: str | None = None  # dense | bm25 | hybrid; None: RAGCACHE_RETRIEVAL
     rerank: int | None = None  # candidates reranked by query likelihood (0: none); None: RAGCACHE_RERANK
+    tenant: str | None = None  # whose share it counts against (the caller's key); None: its namespace
+
+    @property
+    def who(self) -> str:
+        """The tenant the fairness limits count this request against."""
+        return self.tenant or self.namespace
 
 
 @dataclass
@@ -64,11 +71,10 @@ class Totals:
 
 
 class Generation:
-    def __init__(self, parts, corpus: Corpus, max_prefixes: int = 8):
+    def __init__(self, parts, corpus: Corpus):
         self.p, self.corpus = parts, corpus
         self.totals = Totals()
-        self._prefixes: OrderedDict[tuple[int, ...], object] = OrderedDict()  # other system prompts' KV
-        self._max_prefixes = max_prefixes
+        self.prefixes = PrefixCache(parts)  # other system prompts' KV
 
     def policy_for(self, mode: str, ratio: float | None = None, k: int | None = None):
         """A selection policy; `auto` is what `ragcache calibrate` chose for this model."""
@@ -96,17 +102,27 @@ class Generation:
         ape = Reweight(s.ape_temperature, s.ape_factor)
         return Reweighted(policy, ape) if ape.active and policy.reads_chunk_kv else policy
 
-    def prefix_for(self, head: list[int]):
+    def prefix_for(self, head: list[int], namespace: str):
         """The exact prefix KV of a prompt head: the configured one, or one of a few recent others."""
-        if head == self.p.frame.head:
-            return self.p.prefix
-        key = tuple(head)
-        if key not in self._prefixes:
-            self._prefixes[key] = compute_prefix(self.p.runner, as_ids(head))
-            while len(self._prefixes) > self._max_prefixes:
-                self._prefixes.popitem(last=False)
-        self._prefixes.move_to_end(key)
-        return self._prefixes[key]
+        return self.p.prefix if head == self.p.frame.head else self.prefixes.get(head, namespace)
+
+    def conversation(self, ask: Ask) -> tuple[list[int], list[int]]:
+        """(the prompt's head: system prompt and template, its suffix: earlier turns, the question, the tail)."""
+        p = self.p
+        try:
+            return conversation(p.tokenizer, p.settings.system_prompt if ask.system is None else ask.system,
+                                [*ask.history, ("user", ask.query)])
+        except Exception as e:  # noqa: BLE001 — a template's own rule (e.g. roles must alternate), named
+            raise UserError(f"this conversation does not fit the model's chat template: {e}") from None
+
+    def needs_prefix(self, ask: Ask) -> bool:
+        """Whether `ask`'s prompt head is a custom one not cached yet: a prefill to run before `prepare`."""
+        head, _ = self.conversation(ask)
+        return head != self.p.frame.head and not self.prefixes.has(head, ask.namespace)
+
+    def make_prefix(self, ask: Ask):
+        """`ask`'s prompt head's KV (the scheduler's side worker computes it, for `prepare`)."""
+        return self.prefix_for(self.conversation(ask)[0], ask.namespace)
 
     def load_chunks(self, token_ids: list[torch.Tensor], namespace: str) -> tuple[list[ChunkKV], list[str]]:
         """KV of each chunk and where it came from; missing or corrupt ones are computed and stored."""
@@ -136,8 +152,9 @@ class Generation:
             tiers.append("computed")
         return chunks, tiers
 
-    def prepare(self, ask: Ask, start: float | None = None) -> Prepared:
-        """Everything before model work: checks, prompt, retrieval, chunk KV (off the model thread).
+    def prepare(self, ask: Ask, start: float | None = None, prefix=None) -> Prepared:
+        """Everything before model work: checks, prompt, retrieval, chunk KV (off the model thread);
+        `prefix`: the prompt head's KV when it was computed beforehand (`make_prefix`).
 
         Bad input raises UserError before any waiting: a request whose KV could never fit the
         budget (RAGCACHE_KV_BUDGET_BYTES) included.
@@ -153,11 +170,7 @@ class Generation:
             sampling = Sampling(ask.max_new_tokens or p.settings.max_new_tokens, ask.temperature, ask.top_p, ask.seed)
         except ValueError as e:
             raise UserError(str(e)) from None
-        try:
-            head, suffix = conversation(p.tokenizer, p.settings.system_prompt if ask.system is None else ask.system,
-                                        [*ask.history, ("user", ask.query)])
-        except Exception as e:  # noqa: BLE001 — a template's own rule (e.g. roles must alternate), named
-            raise UserError(f"this conversation does not fit the model's chat template: {e}") from None
+        head, suffix = self.conversation(ask)
         top_k = ask.top_k or p.settings.top_k
         rerank_n = p.settings.rerank if ask.rerank is None else ask.rerank
         reranking = rerank_n > top_k
@@ -185,7 +198,7 @@ class Generation:
             chunks, tiers = self.load_chunks(token_ids, ask.namespace)
         else:  # full prefill: nothing comes from the cache
             chunks, tiers = [tokens_only(ids) for ids in token_ids], ["computed"] * len(token_ids)
-        prefix = self.prefix_for(head)
+        prefix = prefix if prefix is not None else self.prefix_for(head, ask.namespace)
         times["loaded"] = time.perf_counter()
         stops = frozenset() if ask.ignore_eos else p.stops
         return Prepared(ask, policy, sampling, prefix, as_ids(suffix), chunks, list(hits), tiers, stops, kv_bytes,

@@ -1,99 +1,90 @@
-"""The scheduler's prep thread: what is not model work, in arrival order, so that it overlaps decoding.
+"""The scheduler's prep thread: what is not model work, so that it overlaps decoding; tenants in turn
+(`fair.Inbox`), each tenant's requests in arrival order, so that one tenant's flood is prepared after the
+others' next request, not before it.
 
-    prep = PrepThread(service, cond, hand_over, leave_line)  # the Scheduler owns one, and shares its lock
-    prep.put(ticket)    # a request: tokenize, retrieve (FAISS), load chunk KV; a work item (ingest, warm): run it
+    prep = PrepThread(service, cond, hand_over, leave_line, side)  # the Scheduler owns one, and shares its lock
+    prep.put(ticket)    # a request: tokenize, retrieve (FAISS), load chunk KV
 
-A request that is prepared goes to `hand_over(ticket, prepared)` (the model thread's line); one that
-fails or is cancelled first, and every work item as it starts, calls `leave_line()`. Both are called
-holding `cond`, the lock that also guards the model thread's lines.
+A request whose custom system prompt's KV is not cached goes to the side worker first (`side.SideWorker`:
+that prefill is seconds of model work on a CPU) and comes back here once it is done. A request that is
+prepared goes to `hand_over(ticket, prepared)` (the model thread's line); one that fails or is cancelled
+first calls `leave_line(ticket.tenant)`. Both are called holding `cond`, the lock that also guards the
+model thread's lines.
 """
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from typing import Callable
 
 from ..errors import UserError
+from .fair import Inbox
 from .sequence import Prepared
+from .side import SideWorker
 from .ticket import Ticket
 
 log = logging.getLogger("ragcache.scheduler")
 
 
 class PrepThread:
-    def __init__(self, service, cond: threading.Condition,
-                 hand_over: Callable[[Ticket, Prepared], None], leave_line: Callable[[], None]):
-        self.service, self._cond = service, cond
+    def __init__(self, service, cond: threading.Condition, hand_over: Callable[[Ticket, Prepared], None],
+                 leave_line: Callable[[str | None], None], side: SideWorker):
+        self.service, self._cond, self._side = service, cond, side
         self._hand_over, self._leave_line = hand_over, leave_line
-        self._inbox: queue.Queue[Ticket | None] = queue.Queue()
-        self.busy = 0  # work items running now (under `cond`)
-        self._current: Ticket | None = None  # the work item running now, for `stop` to cancel
+        self._inbox = Inbox()  # tickets per tenant
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="ragcache-prep", daemon=True)
         self._thread.start()
 
     def put(self, ticket: Ticket) -> None:
-        self._inbox.put(ticket)
+        self._inbox.put(ticket.tenant, ticket)
 
     def stop(self) -> None:
-        """Cancel the running work item; tickets taken from now on are cancelled, not run."""
-        with self._cond:
-            if self._current is not None:
-                self._current.cancel()
-            self._stop = True
+        """Tickets taken from now on are cancelled, not prepared."""
+        self._stop = True
 
     def close(self) -> None:
         """Cancel every ticket still in the inbox (each gets its "cancelled"), then end the thread."""
-        while True:
-            try:
-                ticket = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if ticket is not None:
-                ticket.emit("cancelled", None)
-        self._inbox.put(None)
+        for ticket in self._inbox.close():
+            ticket.emit("cancelled", None)
         self._thread.join(timeout=60)
 
     def _loop(self) -> None:
         while (ticket := self._inbox.get()) is not None:
             if ticket.cancelled.is_set() or self._stop:
-                with self._cond:
-                    self._leave_line()
-                ticket.emit("cancelled", None)
-            elif ticket.work is not None:
-                self._run_work(ticket)
+                self._fail(ticket, None)
             else:
                 self._prepare(ticket)
 
-    def _run_work(self, ticket: Ticket) -> None:
+    def _fail(self, ticket: Ticket, error: Exception | None) -> None:
+        """It leaves the line and hears why (None: it was cancelled)."""
         with self._cond:
-            self._leave_line()
-            self.busy += 1
-            self._current = ticket
-        try:
-            result = ticket.work(ticket)
-        except UserError as e:
-            ticket.emit("error", e)
-        except Exception as e:  # noqa: BLE001 — one item's bug is its own
-            log.exception("work item failed")
-            ticket.emit("error", e)
+            self._leave_line(ticket.tenant)
+        if error is None:
+            ticket.emit("cancelled", None)
         else:
-            ticket.emit("done", result)
-        finally:
-            with self._cond:
-                self.busy -= 1
-                self._current = None
+            ticket.emit("error", error)
 
     def _prepare(self, ticket: Ticket) -> None:
+        gen = self.service.generation
         try:
-            prepared = self.service.generation.prepare(ticket.ask, start=ticket.submitted)
+            if ticket.prefix is None and gen.needs_prefix(ticket.ask):
+                self._side.put(Ticket(lambda kind, payload: self._prefixed(ticket, kind, payload),
+                                      work=lambda _t: gen.make_prefix(ticket.ask), ask=ticket.ask), counted=False)
+                return
+            prepared = gen.prepare(ticket.ask, start=ticket.submitted, prefix=ticket.prefix)
         except Exception as e:  # noqa: BLE001 — a UserError names bad input; anything else is this request's
             if not isinstance(e, UserError):
                 log.exception("request failed before its model work")
-            with self._cond:
-                self._leave_line()
-            ticket.emit("error", e)
+            self._fail(ticket, e)
             return
         with self._cond:
             self._hand_over(ticket, prepared)
+
+    def _prefixed(self, ticket: Ticket, kind: str, payload) -> None:
+        """From the side worker: the request's prompt head is computed (back in line here), or it failed."""
+        if kind == "done":
+            ticket.prefix = payload
+            self.put(ticket)
+        else:
+            self._fail(ticket, payload if kind == "error" else None)

@@ -3,9 +3,11 @@
     ticket = scheduler.submit_generation(ask, on_event)      # a request, batched with the others
     ticket = scheduler.submit(lambda t: work(), on_event)    # other work off the event loop (ingest, warm)
 
-Two threads. The prep thread (`prep.PrepThread`) does what is not model work, in arrival order:
+Three threads. The prep thread (`prep.PrepThread`) does what is not model work, tenants in turn:
 tokenizing, retrieval (FAISS) and loading chunk KV from the store tiers, so that they overlap
-decoding; it also runs `submit`'s work items. The model thread, this module, loops over `step()`:
+decoding. The side worker (`side.SideWorker`) runs `submit`'s work items (ingest, warm-up) and custom
+system prompts' prefills, which would stall the prep thread. The model thread, this module, loops
+over `step()`:
 
     admit   prepared requests while their KV fits RAGCACHE_KV_BUDGET_BYTES (`admission.Admission`)
     prefill the admitted ones whose recomputed rows fit RAGCACHE_MAX_STEP_ROWS (one at least), batched;
@@ -18,6 +20,10 @@ decoding; it also runs `submit`'s work items. The model thread, this module, loo
 result), "error" (the exception) or "cancelled". A ticket cancelled while it waits never runs;
 one cancelled while it decodes leaves the batch at the next step. Past `max_queue` waiting
 tickets, submitting raises Busy with a Retry-After estimate.
+
+A request's exception, at any stage (plan, prefill, piece, start, pick, result, decode), is that
+request's "error" alone: its budget goes back once, the others run on. A batched prefill or decode
+that raises is tried again one request at a time, so that only a request that fails alone fails.
 """
 from __future__ import annotations
 
@@ -30,9 +36,10 @@ import torch
 
 from blend.batch import decode_batch, fuse_batch
 
-from .admission import Admission
+from .admission import Admission, Limits
 from .piecewise import Piecewise
 from .prep import PrepThread
+from .side import SideWorker
 from .sequence import Prepared, Sequence
 from .tally import ServingStats
 from .ticket import Ticket
@@ -44,13 +51,14 @@ class Scheduler:
     def __init__(self, service, max_queue: int):
         self.service = service
         self.stats = ServingStats()
-        self.admission = Admission(max_queue, service.settings.kv_budget_bytes, self.stats)
+        self.admission = Admission(Limits.of(service.settings, max_queue), self.stats, service.generation.prefixes)
         self._cond = threading.Condition()  # guards `admission`; `_running` and `_piecewise` are the model thread's
         self._running: list[tuple[Ticket, Sequence]] = []
         self._piecewise: Piecewise | None = None  # a long prompt recomputed across steps
         self._stop = False
         self._threads = 0
-        self._prep_thread = PrepThread(service, self._cond, self._hand_over, self.admission.leave)  # shares the lock
+        self._side = SideWorker(self._cond, self.admission.leave)  # both share the lock
+        self._prep_thread = PrepThread(service, self._cond, self._hand_over, self.admission.leave, self._side)
         self._model_thread = threading.Thread(target=self._model_loop, name="ragcache-model", daemon=True)
         self._model_thread.start()
 
@@ -62,7 +70,7 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return (len(self.admission.admitted) + len(self._running) + self._prep_thread.busy
+        return (len(self.admission.admitted) + len(self._running) + self._side.busy
                 + (self._piecewise is not None))
 
     @property
@@ -76,15 +84,15 @@ class Scheduler:
     # ---- submitting ---------------------------------------------------------------------------
 
     def submit(self, work: Callable[[Ticket], Any], on_event: Callable[[str, Any], None]) -> Ticket:
-        return self._enqueue(Ticket(on_event, work=work))
+        return self._enqueue(Ticket(on_event, work=work), self._side.put)
 
     def submit_generation(self, ask, on_event: Callable[[str, Any], None]) -> Ticket:
-        return self._enqueue(Ticket(on_event, ask=ask))
+        return self._enqueue(Ticket(on_event, ask=ask), self._prep_thread.put)
 
-    def _enqueue(self, ticket: Ticket) -> Ticket:
+    def _enqueue(self, ticket: Ticket, put: Callable[[Ticket], None]) -> Ticket:
         with self._cond:
-            self.admission.enter(self.running)
-        self._prep_thread.put(ticket)
+            self.admission.enter(self.running, ticket.tenant)
+        put(ticket)
         return ticket
 
     def _hand_over(self, ticket: Ticket, prep: Prepared) -> None:
@@ -122,12 +130,14 @@ class Scheduler:
             self.admission.admit()
             if self._piecewise is not None:
                 return []
-            batch, too_long = self.admission.take_prefill(self.service.settings.max_step_rows,
-                                                          self.service.runner.num_layers)
-            if too_long:
-                self._piecewise = Piecewise(*batch[0])
-                return []
-            return batch
+            batch, too_long, failed = self.admission.take_prefill(self.service.settings.max_step_rows,
+                                                                  self.service.runner.num_layers)
+        for ticket, prep, e in failed:
+            self._fail(ticket, prep, None, e, "planning a prefill")
+        if too_long:
+            self._piecewise = Piecewise(*batch[0])
+            return []
+        return batch
 
     def _prefill(self, batch: list[tuple[Ticket, Prepared]]) -> None:
         """The batch's selective recomputes together, or the next piece of a long one: new running sequences."""
@@ -136,16 +146,20 @@ class Scheduler:
             return
         if not batch:
             return
-        runner, now = self.service.runner, time.perf_counter()
+        now = time.perf_counter()
         for _, prep in batch:
             prep.times["admitted"] = now
+        self._prefill_batch(batch)
+
+    def _prefill_batch(self, batch: list[tuple[Ticket, Prepared]]) -> None:
         try:
-            fused = fuse_batch(runner, [prep.fuse_args() for _, prep in batch])
-        except Exception as e:  # noqa: BLE001 — these requests fail; the others run on
-            log.exception("a batched prefill failed")
-            for ticket, prep in batch:
-                self._give_back(prep.kv_bytes, None)
-                ticket.emit("error", e)
+            fused = fuse_batch(self.service.runner, [prep.fuse_args() for _, prep in batch])
+        except Exception as e:  # noqa: BLE001 — alone, each request fails or runs on its own
+            if len(batch) > 1:
+                for item in batch:
+                    self._prefill_batch([item])
+                return
+            self._fail(*batch[0], None, e, "a prefill")
             return
         self.stats.prefill_batch.observe(len(batch))
         for (ticket, prep), f in zip(batch, fused):
@@ -153,18 +167,16 @@ class Scheduler:
 
     def _prefill_piece(self) -> None:
         piece = self._piecewise
+        if piece.ticket.cancelled.is_set():
+            self._piecewise = None
+            self._give_back(piece.prep, piece.cache)
+            piece.ticket.emit("cancelled", None)
+            return
         try:
-            if piece.ticket.cancelled.is_set():
-                self._piecewise = None
-                self._give_back(piece.prep.kv_bytes, piece.cache)
-                piece.ticket.emit("cancelled", None)
-                return
             fused = piece.step(self.service.runner, self.service.settings.max_step_rows)
         except Exception as e:  # noqa: BLE001 — this request fails; the others run on
-            log.exception("a piecewise prefill failed")
             self._piecewise = None
-            self._give_back(piece.prep.kv_bytes, piece.cache)
-            piece.ticket.emit("error", e)
+            self._fail(piece.ticket, piece.prep, piece.cache, e, "a piecewise prefill")
             return
         if fused is None:
             return
@@ -173,9 +185,13 @@ class Scheduler:
         self._start(piece.ticket, piece.prep, fused)
 
     def _start(self, ticket: Ticket, prep: Prepared, fused) -> None:
-        fused.cache = self.service.runner.compact(fused.cache, self.service.kv_cache_dtype)  # RAGCACHE_KV_CACHE_DTYPE
-        self._running.append((ticket, Sequence(prep, fused, self.service.tokenizer,
-                                               lambda delta: ticket.emit("text", delta))))
+        try:
+            fused.cache = self.service.runner.compact(fused.cache, self.service.kv_cache_dtype)  # RAGCACHE_KV_CACHE_DTYPE
+            seq = Sequence(prep, fused, self.service.tokenizer, lambda delta: ticket.emit("text", delta))
+        except Exception as e:  # noqa: BLE001
+            self._fail(ticket, prep, fused.cache, e, "starting a sequence")
+            return
+        self._running.append((ticket, seq))
 
     def _pick(self) -> list[tuple[Ticket, Sequence]]:
         """Every running sequence picks its next token (streaming its text); the finished and cancelled leave."""
@@ -184,7 +200,11 @@ class Scheduler:
             if ticket.cancelled.is_set():
                 seq.cancel()
             else:
-                seq.advance()
+                try:
+                    seq.advance()
+                except Exception as e:  # noqa: BLE001 — this sequence leaves; the others pick on
+                    self._fail(ticket, seq.prep, seq.cache, e, "picking a token")
+                    continue
             (done if seq.finish_reason else live).append((ticket, seq))
         self._running = live
         return done
@@ -192,16 +212,16 @@ class Scheduler:
     def _release(self, done: list[tuple[Ticket, Sequence]]) -> None:
         """Each finished sequence gives back its cache and budget, then answers (or hears it was cancelled)."""
         for ticket, seq in done:
-            self._give_back(seq.prep.kv_bytes, seq.cache)
             if seq.finish_reason == "cancelled":
+                self._give_back(seq.prep, seq.cache)
                 ticket.emit("cancelled", None)
                 continue
             try:
                 result = seq.result(self.service.generation.totals.tokens)
             except Exception as e:  # noqa: BLE001
-                log.exception("a finished request failed to report")
-                ticket.emit("error", e)
+                self._fail(ticket, seq.prep, seq.cache, e, "reporting a result")
                 continue
+            self._give_back(seq.prep, seq.cache)
             self.admission.finished(time.perf_counter() - ticket.submitted)
             ticket.emit("done", result)
 
@@ -209,31 +229,44 @@ class Scheduler:
         """One forward of every running sequence's picked token, batched: their next logits."""
         if not self._running:
             return
-        live = self._running
-        self.stats.decode_batch.observe(len(live))
+        self.stats.decode_batch.observe(len(self._running))
+        self._running = self._decode_batch(self._running)
+
+    def _decode_batch(self, live: list[tuple[Ticket, Sequence]]) -> list[tuple[Ticket, Sequence]]:
+        """The sequences of `live` still running after their decode (with their next logits)."""
         try:
             logits = decode_batch(self.service.runner, [seq.cache for _, seq in live],
                                   [seq.token for _, seq in live])  # (B, V)
-        except Exception as e:  # noqa: BLE001 — the batch fails together, the thread lives on
-            log.exception("a decode step failed")
-            for ticket, seq in live:
-                self._give_back(seq.prep.kv_bytes, seq.cache)
-                ticket.emit("error", e)
-            self._running = []
-            return
+        except Exception as e:  # noqa: BLE001 — alone, each sequence fails or runs on its own
+            if len(live) > 1:
+                return [item for one in live for item in self._decode_batch([one])]
+            ticket, seq = live[0]
+            self._fail(ticket, seq.prep, seq.cache, e, "a decode step")
+            return []
         for i, (_, seq) in enumerate(live):
             seq.logits = logits[i]
+        return live
 
-    def _give_back(self, kv_bytes: int, cache) -> None:
-        if cache is not None:
-            self.service.runner.release(cache)
-        with self._cond:
-            self.admission.release(kv_bytes)
-            self._cond.notify()
+    def _fail(self, ticket: Ticket, prep: Prepared, cache, error: Exception, where: str) -> None:
+        """One request failed: its cache and budget go back (once: it has left every line), it hears why."""
+        log.error("a request failed in %s", where, exc_info=error)
+        try:
+            self._give_back(prep, cache)
+        finally:
+            ticket.emit("error", error)
+
+    def _give_back(self, prep: Prepared, cache) -> None:
+        try:
+            if cache is not None:
+                self.service.runner.release(cache)
+        finally:
+            with self._cond:
+                self.admission.release(prep)
+                self._cond.notify()
 
     def _share_cores(self) -> None:
-        """Take every core, less what running precompute jobs use."""
-        n = self.service.settings.thread_count(self.service.jobs.running())
+        """Take every core, less what running precompute jobs use (read without the jobs lock: never a wait)."""
+        n = self.service.settings.thread_count(self.service.jobs.working())
         if n != self._threads:
             torch.set_num_threads(n)
             self._threads = n
@@ -242,6 +275,7 @@ class Scheduler:
 
     def close(self) -> None:
         """Cancel what runs and what waits (each gets its "cancelled", a work item sees its cancel), then stop."""
+        self._side.stop()
         self._prep_thread.stop()
         with self._cond:
             self._stop = True
@@ -251,4 +285,5 @@ class Scheduler:
         for ticket in [*self.admission.clear(), *(t for t, _ in self._running), *piecewise]:
             ticket.emit("cancelled", None)
         self._running.clear()
+        self._side.close()
         self._prep_thread.close()

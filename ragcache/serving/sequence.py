@@ -38,6 +38,11 @@ class Prepared:
     def prompt_tokens(self) -> int:
         return len(self.prefix) + sum(len(c) for c in self.chunks) + self.suffix.numel()
 
+    @property
+    def kv_rows(self) -> int:
+        """The fused cache's rows with room for every new token: the tokens a tenant's share counts."""
+        return self.prompt_tokens + self.sampling.max_new_tokens
+
     def plan(self, num_layers: int):
         """The policy's Plan for this prompt: its rows from layer 0 are what the scheduler's per-step cap counts."""
         return self.policy.plan(layout_of(self.prefix, self.chunks, self.suffix.numel()), num_layers)

@@ -1,6 +1,7 @@
 """Serving pieces without a server: streamed text, chat prompts, the model thread's queue."""
 from __future__ import annotations
 
+import random
 import threading
 import time
 from types import SimpleNamespace
@@ -10,6 +11,7 @@ import pytest
 from blend.prompt import QUESTION, chat_frame, conversation, encode
 from ragcache.config import Settings
 from ragcache.errors import Busy
+from ragcache.serving.prefixes import PrefixCache
 from ragcache.serving.scheduler import Scheduler
 from ragcache.serving.textstream import TextStream
 
@@ -24,6 +26,41 @@ def test_streamed_deltas_add_up_to_the_stripped_answer(smollm, text):
         assert "\ufffd" not in "".join(deltas)  # never half a character
     deltas.append(stream.finish())
     assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True).strip() == stream.sent
+
+
+def _streamed(tok, ids) -> tuple[str, TextStream]:
+    stream = TextStream(tok)
+    return "".join(stream.push(i) for i in ids) + stream.finish(), stream
+
+
+def test_split_characters_and_stray_bytes_stream_as_the_whole_decode(smollm):
+    """Byte-level tokens (half a character, a lone continuation byte) mixed with whole words."""
+    tok, rng = smollm.tokenizer, random.Random(0)
+    byte_ids = [i for t, i in tok.get_vocab().items() if len(t) == 1]
+    for _ in range(200):
+        ids = [rng.choice(byte_ids) if rng.random() < 0.6 else rng.randrange(len(tok))
+               for _ in range(rng.randrange(1, 40))]
+        text, stream = _streamed(tok, ids)
+        assert text == tok.decode(ids, skip_special_tokens=True).strip() == stream.sent, ids
+
+
+class _Counting:
+    """The real tokenizer, counting the ids it is asked to decode."""
+
+    def __init__(self, tok):
+        self.tok, self.decoded = tok, 0
+
+    def decode(self, ids, **kw):
+        self.decoded += len(ids)
+        return self.tok.decode(ids, **kw)
+
+
+def test_streaming_decodes_each_token_a_few_times_not_the_whole_answer(smollm):
+    ids = encode(smollm.tokenizer, "Zürich — 東京 café 🙂 word " * 200)
+    counting = _Counting(smollm.tokenizer)
+    text, _ = _streamed(counting, ids)
+    assert text == smollm.tokenizer.decode(ids, skip_special_tokens=True).strip()
+    assert counting.decoded < 8 * len(ids)  # re-decoding the answer per token: ~len(ids)**2 / 2
 
 
 def test_one_turn_conversation_is_the_plain_prompt(smollm):
@@ -45,7 +82,9 @@ def test_earlier_turns_follow_the_passages_and_a_system_prompt_makes_its_own_hea
 
 
 def _scheduler(max_queue: int) -> Scheduler:
-    service = SimpleNamespace(settings=Settings(threads=1), jobs=SimpleNamespace(running=lambda: 0))
+    settings = Settings(threads=1)
+    service = SimpleNamespace(settings=settings, jobs=SimpleNamespace(working=lambda: 0),
+                              generation=SimpleNamespace(prefixes=PrefixCache(SimpleNamespace(settings=settings))))
     return Scheduler(service, max_queue)
 
 

@@ -1,0 +1,104 @@
+"""Two tenants on one server, one hostile: its flood is its own 429s, the other's requests all answer."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from .conftest import NAMESPACE, copy_home, start_server
+
+KEY_A, KEY_B = "tenant-a-flooder-key", "tenant-b-quiet-key"
+KEYS = {KEY_A: [NAMESPACE, "a-docs"], KEY_B: [NAMESPACE]}  # two tenants (keys), one corpus: shares are per key
+
+
+@pytest.fixture(scope="module")
+def fair_server(corpus_home, tmp_path_factory, smollm):
+    """The session's corpus behind two keys, with a queue of 4: 2 waiting per tenant."""
+    server = start_server(copy_home(corpus_home, tmp_path_factory.mktemp("fair")), smollm,
+                          RAGCACHE_API_KEYS=json.dumps(KEYS), RAGCACHE_MAX_QUEUE=4)
+    yield server
+    server.stop()
+
+
+def _body(**kw) -> dict:
+    return {"query": "Who is the passage about?", "namespace": NAMESPACE, "mode": "reuse", "top_k": 2, "max_tokens": 4,
+            **kw}
+
+
+def _wait_for(cond, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def flood(server, stop: threading.Event, threads: int = 6, **kw) -> tuple[list, list]:
+    """Tenant A sends long requests from `threads` clients, each again as soon as one ends (429s too), until
+    `stop`: ([(status, headers, body)] of each answer, the clients). Returns once A is over its share."""
+    seen: list = []
+
+    def client():
+        with server.client(KEY_A, timeout=600) as c:
+            while not stop.is_set():
+                r = c.post("/v1/rag/generate", json=_body(max_tokens=24, ignore_eos=True, **kw))
+                seen.append((r.status_code, r.headers, r.json()))
+
+    clients = [threading.Thread(target=client, daemon=True) for _ in range(threads)]
+    for t in clients:
+        t.start()
+    _wait_for(lambda: any(s == 429 for s, _, _ in seen), "tenant A's first 429")
+    return seen, clients
+
+
+def test_a_flooding_tenant_gets_429s_and_the_other_all_200s(fair_server):
+    stop, a, clients = threading.Event(), [], []
+    try:
+        a, clients = flood(fair_server, stop)
+        with fair_server.client(KEY_B, timeout=600) as c:
+            b = [c.post("/v1/rag/generate", json=_body()) for _ in range(4)]
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(600)
+    assert [r.status_code for r in b] == [200] * 4, [r.text for r in b]
+    status, headers, body = next(x for x in a if x[0] == 429)
+    assert int(headers["retry-after"]) >= 1 and "RAGCACHE_TENANT_MAX_QUEUE=2" in body["error"]["message"]
+    assert body["error"]["type"] == "rate_limit_error" and any(s == 200 for s, _, _ in a)
+
+
+def test_a_large_ingest_does_not_hold_up_another_tenants_generate(fair_server):
+    """Tenant A ingests 3,000 documents; tenant B's generate answers while that ingest still runs."""
+    words = "the committee met again in the spring to review the harbour accounts and the new charter".split()
+    docs = [{"id": f"bulk-{i}", "text": " ".join(words[(i + j) % len(words)] for j in range(240))}
+            for i in range(3000)]
+    box = []
+
+    def ingest():
+        with fair_server.client(KEY_A, timeout=600) as c:
+            box.append(c.post("/v1/documents", params={"namespace": "a-docs", "precompute": "false"},
+                              json={"documents": docs}))
+
+    t = threading.Thread(target=ingest, daemon=True)
+    t.start()
+    _wait_for(lambda: fair_server.metric("ragcache_running") >= 1 or box, "the ingest to start")
+    with fair_server.client(KEY_B, timeout=600) as c:
+        r = c.post("/v1/rag/generate", json=_body())
+    still_ingesting = t.is_alive()
+    t.join(600)
+    assert r.status_code == 200, r.text
+    assert still_ingesting, "the generate answered only after the ingest was done"
+    assert box[0].status_code == 200 and box[0].json()["documents"]["added"] == 3000
+
+
+def test_chat_messages_past_the_bounds_are_413_naming_the_limit(fair_server):
+    with fair_server.client(KEY_B) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        many = [{"role": "user" if i % 2 == 0 else "assistant", "content": "hi"} for i in range(301)]
+        long = [{"role": "user", "content": "x" * 200_001}]
+        for messages, limit in ((many, "RAGCACHE_MAX_MESSAGES"), (long, "RAGCACHE_MAX_MESSAGE_CHARS")):
+            r = c.post("/v1/chat/completions", json={"model": model, "messages": messages,
+                                                      "rag": {"namespace": NAMESPACE}})
+            assert r.status_code == 413 and limit in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["param"] == "messages"
