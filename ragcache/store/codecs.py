@@ -18,7 +18,7 @@ from pathlib import Path
 from ..config import KV_CODEC
 from .compact import Spec
 
-DEFAULT = "compact-k3v3"  # what `compact` is for a model that was never calibrated
+DEFAULT = "compact-k3v3+g96+r"  # what `compact` is for a model never calibrated: ~3.15 bits (BENCHMARKS.md)
 
 
 def calibration_path(home: Path, fingerprint: str) -> Path:
