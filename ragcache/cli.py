@@ -118,7 +118,7 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     b.add_argument("--parts", type=_parts, default=list(STORE_PARTS),
                    help=f"store: which parts, comma-separated ({','.join(STORE_PARTS)})")
     b.add_argument("--codecs", type=lambda t: t.split(","), default=["compact"],
-                   help="store: compact codecs to measure beside raw (compact, compact-kXvY)")
+                   help="store: compact codecs to measure beside raw (compact, compact-kXvY[+Ln][+gG][+r])")
     b.add_argument("--limit", type=_positive, default=20, help="store: dev questions in the fidelity part; decode: "
                    "dev questions whose greedy answers compare")
     b.add_argument("--trace", type=_floats, default=[0.8, 1.0, 1.2], help="store: Zipf exponents of the traces")
@@ -178,7 +178,7 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     cc.add_argument("--top-k", type=_positive, default=4, help="passages per question")
     cc.add_argument("--k-bits", type=int, choices=[2, 3, 4], default=3)
     cc.add_argument("--v-bits", type=int, choices=[2, 3, 4], default=3)
-    cc.add_argument("--max-bits", type=float, default=3.0, help="mean bits per element, everything counted")
+    cc.add_argument("--max-bits", type=float, default=3.2, help="mean bits per element, everything counted")
     cc.add_argument("--quiet", action="store_true")
     cc.set_defaults(func=commands.calibrate_codec)
 

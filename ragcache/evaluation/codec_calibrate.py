@@ -4,7 +4,8 @@ Each layer's sensitivity is measured alone: that layer's KV through the codec at
 other layer exact, on real chunks of the given dev questions; its cost is the rise of the teacher-forced
 KL against full prefill in reuse mode (the mode that trusts stored KV most) over the exact store's. The
 most sensitive layers get one more bit for K and V, as many as keep the mean under `max_bits` per
-element (every scale, sum and header counted, on those chunks). The widths are stored per model in
+element (every scale, sum and header counted, on those chunks). K's token blocks and V's rotation are the
+uncalibrated default's (codecs.DEFAULT). The widths are stored per model in
 RAGCACHE_HOME/codec/ (store/codecs.py), where `RAGCACHE_KV_CODEC=compact` finds them.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from blend.prompt import as_ids, encode as tokenize
 
 from ..store import decode, encode
 from ..store.codec import rotate_k, to_bytes
-from ..store.codecs import save_calibration
+from ..store.codecs import DEFAULT, save_calibration, spec_for
 from ..store.compact import Spec
 from .evaluate import EvalConfig, _run_mode, load_dataset
 from .scores import kl
@@ -52,8 +53,10 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: int, base: 
                     max_bits: float, progress=print) -> tuple[Spec, dict]:
     runner = service.runner
     layers = runner.num_layers
-    base_spec = Spec.uniform("compact", layers, *base)
-    boosted = Spec.uniform("compact", layers, min(4, base[0] + 1), min(4, base[1] + 1))
+    form = spec_for(DEFAULT, layers, service.settings.home, "")  # K's blocks and V's rotation: the default's
+    base_spec = Spec.uniform("compact", layers, *base, k_group=form.k_group, v_rotate=form.v_rotate)
+    boosted = Spec.uniform("compact", layers, min(4, base[0] + 1), min(4, base[1] + 1), k_group=form.k_group,
+                           v_rotate=form.v_rotate)
     cfg = EvalConfig(dataset, top_k=top_k, max_new_tokens=16)
     rise, elements = torch.zeros(layers), 0
     layer_bytes = {w: torch.zeros(layers) for w in ("base", "boosted")}
@@ -88,7 +91,7 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: int, base: 
     for l in order:
         if bits({*chosen, l}) <= max_bits:
             chosen.append(l)
-    spec = Spec.uniform("compact", layers, *base, boost=tuple(chosen))
+    spec = Spec.uniform("compact", layers, *base, boost=tuple(chosen), k_group=form.k_group, v_rotate=form.v_rotate)
     report = {"base": list(base), "boosted_layers": sorted(chosen), "bits_per_element": bits(set(chosen)),
               "kl_rise_per_layer": [round(float(x), 6) for x in rise], "questions": [first, first + len(items)],
               "dataset": str(dataset), "top_k": top_k}
@@ -100,7 +103,7 @@ def command(service, args) -> int:
     """`ragcache calibrate-codec`: measure, store, and say what `compact` now is."""
     _, report = calibrate_codec(service, args.dataset, args.first, args.count, args.top_k, (args.k_bits, args.v_bits),
                                 args.max_bits, progress=(lambda _: None) if args.quiet else print)
-    print(f"compact for this model: K {args.k_bits} and V {args.v_bits} bits, one more in layers "
+    print(f"compact for this model: K {args.k_bits} and V {args.v_bits} bits ({DEFAULT}'s blocks), one more in layers "
           f"{report['boosted_layers']}: {report['bits_per_element']:.2f} bits per element on the dev chunks; "
           "RAGCACHE_KV_CODEC=compact uses it")
     return 0

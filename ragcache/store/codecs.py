@@ -3,7 +3,8 @@
     raw            today's blobs, in RAGCACHE_KV_DTYPE (lossless at float32)
     compact        this model's calibrated bit widths (`ragcache calibrate-codec`), else DEFAULT
     compact-kXvY   X bits for K and Y for V in every layer (2..4), e.g. compact-k3v3; `+L0` one more bit
-                   in layer 0 (compact-k3v3+L0)
+                   in layer 0 (compact-k3v3+L0); `+g64` K in clipped blocks of 64 tokens, `+r` V rotated
+                   (compact.py), e.g. compact-k3v3+g64+r
 
 Decoding never needs the name: a compact blob carries its frames' scales and the encoder's widths.
 The calibration of a model is a small JSON file in RAGCACHE_HOME/codec/, written once on dev data.
@@ -18,7 +19,7 @@ from pathlib import Path
 from ..config import KV_CODEC
 from .compact import Spec
 
-DEFAULT = "compact-k3v3"  # what `compact` is for a model that was never calibrated
+DEFAULT = "compact-k3v3+g96"  # what `compact` is for a model never calibrated: ~3.13 bits (BENCHMARKS.md)
 log = logging.getLogger("ragcache.store")
 
 
@@ -35,21 +36,24 @@ def spec_for(name: str, num_layers: int, home: Path, fingerprint: str) -> Spec |
         if path.exists():
             try:
                 cal = json.loads(path.read_bytes())
-                return Spec("compact", tuple(map(int, cal["k_bits"])), tuple(map(int, cal["v_bits"])))
+                return Spec("compact", tuple(map(int, cal["k_bits"])), tuple(map(int, cal["v_bits"])),
+                            int(cal.get("k_group", 0)), bool(cal.get("v_rotate", False)))  # older files: neither
             except (ValueError, KeyError, TypeError):  # a damaged file must not fail every store write
                 log.warning("%s is damaged: %s is written until `ragcache calibrate-codec` rewrites it", path, DEFAULT)
         return spec_for(DEFAULT, num_layers, home, fingerprint)
     m = KV_CODEC.fullmatch(name)
     if m is None or m.group(1) is None:
-        raise ValueError(f"unknown KV codec {name!r}: raw, compact or compact-kXvY (X, Y in 2..4)")
+        raise ValueError(f"unknown KV codec {name!r}: raw, compact or compact-kXvY[+Ln][+gG][+r] (X, Y in 2..4)")
     boost = tuple(int(x) for x in re.findall(r"\+L(\d+)", m.group(3)))
-    return Spec.uniform(name, num_layers, int(m.group(1)), int(m.group(2)), boost)
+    return Spec.uniform(name, num_layers, int(m.group(1)), int(m.group(2)), boost, int(m.group(4) or 0),
+                        m.group(5) is not None)
 
 
 def save_calibration(home: Path, fingerprint: str, spec: Spec, report: dict) -> Path:
     path = calibration_path(home, fingerprint)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"k_bits": list(spec.k_bits), "v_bits": list(spec.v_bits), **report}, indent=1))
+    tmp.write_text(json.dumps({"k_bits": list(spec.k_bits), "v_bits": list(spec.v_bits), "k_group": spec.k_group,
+                               "v_rotate": spec.v_rotate, **report}, indent=1))
     tmp.replace(path)
     return path

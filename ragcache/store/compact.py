@@ -1,18 +1,29 @@
-"""The compact KV codec: a chunk's KV at 2–3 bits per element, one independent frame per layer and tensor.
+"""The compact KV codec: a chunk's KV at ~3 bits per element, one independent frame per layer and tensor.
 
     frames = encode_frames(k_pre_rope, v, spec)      # (L, Hkv, n, hd) float → list of 2·L bytes objects
-    k_l, v_l = decode_layer(frames[2l], frames[2l+1], spec.k_bits[l], spec.v_bits[l], shape)
+    Decoder().layer(frames[2l], frames[2l+1], k_out, v_out)   # (Hkv, n, hd) each
 
-K is quantized before RoPE (its channels keep one range over the chunk; the fused prefill rotates
-every row to its new place anyway), per (head, channel) over the chunk's tokens; V per (head, token)
-over its channels. Both asymmetric (min–max) at the layer's bit width, 2–4 bits, the symbols of a
-row packed two per byte (channel j in the low nibble, channel j + hd/2 in the high one, so unpacking
-writes contiguous halves), then zstd: its Huffman stage codes the nibbles near their entropy (a
-3-bit symbol costs ~2.3 bits). A frame is [u32 payload length][lo, step as float16][zstd payload];
-it decodes alone, so a layer can be used before the next one has arrived.
+K is quantized before RoPE (its channels keep one range; the fused prefill rotates every row to its new
+place anyway), per (head, channel) over a block of tokens; V per (head, token) over its channels. Both
+asymmetric at the layer's bit width, 2–4 bits, the symbols of a row packed two per byte (channel j in the
+low nibble, channel j + hd/2 in the high one, so unpacking writes contiguous halves), then zstd: its
+Huffman stage codes the nibbles near their entropy (a 3-bit symbol costs ~2.3 bits).
+
+A spec with `k_group` G > 0 (names with +gG) quantizes K per block of G tokens (the last one shorter), its
+range clipped where that lowers the block's squared error: a chunk-wide channel range is set by a few
+outlier tokens, and K's error is what moves the model's output (measured: BENCHMARKS.md). `v_rotate`
+(+r) quantizes V after a Hadamard rotation of its channels (orthonormal, its own inverse), which spreads
+an outlier channel over all of them; the decoder rotates back. Plain kXvY specs write the first format:
+K over the whole chunk, plain min–max.
+
+A frame is [u32 payload length | kind << 28][u32 G: kind 1 only][lo, step as float16][zstd payload]; kind
+0 the first format, 1 K in blocks of G tokens, 2 V rotated. It decodes alone, so a layer can be used
+before the next one has arrived; frames of every kind decode, so old blobs stay readable.
 
 Error bound (per element, before float16 rounding of the scales): |x − x̂| ≤ step / 2, where
-step = (max − min) / (2^bits − 1) of its group.
+step = (max − min) / (2^bits − 1) of its group; with clipping (+g), an element outside the group's clipped
+range [lo, lo + step·(2^bits − 1)] is off by its distance to it plus step / 2 (the range is never shrunk
+below half: CLIP); with +r the bound holds for the rotated V, and so for its L2 norm per token.
 """
 from __future__ import annotations
 
@@ -24,52 +35,99 @@ import torch
 import zstandard
 
 LEVEL = 3  # zstd: decoding speed does not depend on it; higher levels find nothing more in nibbles
-_HEAD = struct.Struct("<I")
+_U32 = struct.Struct("<I")
+_KIND = 28  # a frame's kind sits above its payload length (< 256 MiB)
+LEGACY, K_BLOCKS, V_ROTATED = 0, 1, 2
+CLIP = torch.linspace(1.0, 0.5, 11)  # fractions of a group's range tried around its middle (encode only)
 
 
 @dataclass(frozen=True)
 class Spec:
-    """Bits per layer for K and V (2..4); `name` is what the blob records."""
+    """Bits per layer for K and V (2..4), K's token block (0: the whole chunk, unclipped), V's rotation;
+    `name` is what the blob records."""
 
     name: str
     k_bits: tuple[int, ...]
     v_bits: tuple[int, ...]
+    k_group: int = 0
+    v_rotate: bool = False
 
     def __post_init__(self):
         if len(self.k_bits) != len(self.v_bits) or not all(2 <= b <= 4 for b in (*self.k_bits, *self.v_bits)):
             raise ValueError(f"codec {self.name}: one bit width per layer for K and V, each 2..4")
+        if self.k_group < 0:
+            raise ValueError(f"codec {self.name}: K's token block must be positive (0: the whole chunk)")
 
     @classmethod
-    def uniform(cls, name: str, layers: int, k_bits: int, v_bits: int, boost: tuple[int, ...] = ()) -> "Spec":
+    def uniform(cls, name: str, layers: int, k_bits: int, v_bits: int, boost: tuple[int, ...] = (),
+                k_group: int = 0, v_rotate: bool = False) -> "Spec":
         """The same widths everywhere, one more bit (at most 4) in the `boost` layers."""
         k = tuple(min(4, k_bits + (l in boost)) for l in range(layers))
         v = tuple(min(4, v_bits + (l in boost)) for l in range(layers))
-        return cls(name, k, v)
+        return cls(name, k, v, k_group, v_rotate)
 
     def mean_bits(self) -> float:
         return (sum(self.k_bits) + sum(self.v_bits)) / (2 * len(self.k_bits))
 
 
-def _quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x (H, n, hd) float, groups along `dim` → symbols (H, n, hd) uint8, lo and step float16 (the
-    group shape, `dim` of size 1). The symbols are computed from the float16-rounded lo and step:
-    what the decoder will use."""
+def hadamard(hd: int) -> torch.Tensor:
+    """(hd, hd) float32 orthonormal and symmetric: its own inverse. hd a power of two."""
+    if hd & (hd - 1):
+        raise ValueError("rotating V needs a power-of-two head dim")
+    h = torch.ones(1, 1)
+    while h.shape[0] < hd:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / hd**0.5
+
+
+def _quantize(x: torch.Tensor, bits: int, dim: int, clip: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x (H, n, hd) float, groups along `dim` → symbols (H, n, hd) uint8, lo and step float16 (the group
+    shape, `dim` of size 1). With `clip`, each group's range is the CLIP fraction of it with the least squared
+    error. The symbols are computed from the float16-rounded lo and step: what the decoder will use."""
     x = x.float()
-    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    lo0, hi0 = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
     top = (1 << bits) - 1
-    step = ((hi - lo) / top).half()
-    step = torch.where(step > 0, step, torch.ones_like(step))
-    lo = lo.half()
-    q = ((x - lo.float()) / step.float()).round_().clamp_(0, top).to(torch.uint8)
-    return q.numpy(), lo.numpy(), step.numpy()
+    best = None
+    for frac in CLIP if clip else CLIP[:1]:
+        half = (hi0 - lo0) * (frac / 2)
+        lo = ((lo0 + hi0) / 2 - half).half()
+        step = (2 * half / top).half()
+        step = torch.where(step > 0, step, torch.ones_like(step))
+        q = ((x - lo.float()) / step.float()).round_().clamp_(0, top)
+        err = (q * step.float() + lo.float() - x).square_().sum(dim, keepdim=True)
+        if best is None:
+            best = [q, lo, step, err]
+            continue
+        better = err < best[3]
+        best = [torch.where(better, q, best[0]), torch.where(better, lo, best[1]),
+                torch.where(better, step, best[2]), torch.minimum(err, best[3])]
+    q, lo, step, _ = best
+    return q.to(torch.uint8).numpy(), lo.numpy(), step.numpy()
 
 
-def _frame(x: torch.Tensor, bits: int, dim: int, cctx: zstandard.ZstdCompressor) -> bytes:
-    q, lo, step = _quantize(x, bits, dim)
+def _frame(kind: int, q: np.ndarray, scales: list[np.ndarray], cctx: zstandard.ZstdCompressor, group: int = 0) -> bytes:
     half = q.shape[-1] // 2
     packed = q[..., :half] | (q[..., half:] << 4)  # (H, n, hd/2): one byte, two symbols
     payload = cctx.compress(np.ascontiguousarray(packed).tobytes())
-    return b"".join([_HEAD.pack(len(payload)), lo.tobytes(), step.tobytes(), payload])
+    head = _U32.pack(len(payload) | kind << _KIND) + (_U32.pack(group) if kind == K_BLOCKS else b"")
+    return b"".join([head, *(np.ascontiguousarray(s).tobytes() for s in scales), payload])
+
+
+def _k_frame(k: torch.Tensor, bits: int, group: int, cctx) -> bytes:
+    """k (H, n, hd) pre-RoPE → a frame: per (head, channel) over the chunk, or over blocks of `group` tokens."""
+    if not group:
+        q, lo, step = _quantize(k, bits, 1, clip=False)
+        return _frame(LEGACY, q, [lo, step], cctx)
+    parts = [_quantize(k[:, s : s + group], bits, 1, clip=True) for s in range(0, k.shape[1], group)]
+    q = np.concatenate([p[0] for p in parts], axis=1)
+    lo, step = (np.concatenate([p[i] for p in parts], axis=1) for i in (1, 2))  # (H, blocks, hd) each
+    return _frame(K_BLOCKS, q, [lo, step], cctx, group)
+
+
+def _v_frame(v: torch.Tensor, bits: int, rotate: torch.Tensor | None, cctx) -> bytes:
+    """v (H, n, hd) → a frame: per (head, token) over its channels, rotated first with `rotate` (hd, hd)."""
+    q, lo, step = _quantize(v.float() @ rotate if rotate is not None else v, bits, 2, clip=False)
+    return _frame(LEGACY if rotate is None else V_ROTATED, q, [lo, step], cctx)
 
 
 def encode_frames(k: torch.Tensor, v: torch.Tensor, spec: Spec) -> list[bytes]:
@@ -79,10 +137,11 @@ def encode_frames(k: torch.Tensor, v: torch.Tensor, spec: Spec) -> list[bytes]:
     if k.shape[0] != len(spec.k_bits):
         raise ValueError(f"codec {spec.name} has bits for {len(spec.k_bits)} layers, this model {k.shape[0]}")
     cctx = zstandard.ZstdCompressor(level=LEVEL)
+    rotate = hadamard(k.shape[-1]) if spec.v_rotate else None
     frames = []
     for l in range(k.shape[0]):
-        frames.append(_frame(k[l], spec.k_bits[l], 1, cctx))  # K: per (head, channel), over tokens
-        frames.append(_frame(v[l], spec.v_bits[l], 2, cctx))  # V: per (head, token), over channels
+        frames.append(_k_frame(k[l], spec.k_bits[l], spec.k_group, cctx))
+        frames.append(_v_frame(v[l], spec.v_bits[l], rotate, cctx))
     return frames
 
 
@@ -91,18 +150,32 @@ class Decoder:
 
     def __init__(self):
         self._dctx = zstandard.ZstdDecompressor()
+        self._rotations: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def _rotation(self, hd: int, device: torch.device) -> torch.Tensor:
+        if (hd, device) not in self._rotations:
+            self._rotations[hd, device] = hadamard(hd).to(device)
+        return self._rotations[hd, device]
 
     def frame_into(self, frame: bytes | memoryview, out: torch.Tensor, per_token: bool) -> None:
-        """One frame into out (H, n, hd), float32 (or bfloat16 on CUDA): per_token is V's grouping, else K's. On a CUDA `out` the
-        zstd stage runs on the CPU and the unpacking on the GPU."""
+        """One frame into out (H, n, hd), float32 (or bfloat16 on CUDA): per_token is V's grouping, else K's.
+        On a CUDA `out` the zstd stage runs on the CPU and the unpacking on the GPU."""
         h, n, hd = out.shape
-        groups = h * n if per_token else h * hd
-        (size,) = _HEAD.unpack_from(frame, 0)
-        head = _HEAD.size + 4 * groups
+        (word,) = _U32.unpack_from(frame, 0)
+        size, kind = word & ((1 << _KIND) - 1), word >> _KIND
+        if kind not in ((LEGACY, V_ROTATED) if per_token else (LEGACY, K_BLOCKS)):
+            raise ValueError(f"a {'V' if per_token else 'K'} frame of kind {kind}")
+        group = _U32.unpack_from(frame, _U32.size)[0] if kind == K_BLOCKS else n
+        if group <= 0:
+            raise ValueError("a K frame with an empty token block")
+        blocks = -(-n // group)
+        shape = (h, n, 1) if per_token else (h, blocks, hd)
+        groups = shape[0] * shape[1] * shape[2]
+        start = _U32.size * (2 if kind == K_BLOCKS else 1)
+        head = start + 4 * groups
         if len(frame) != head + size:
             raise ValueError("frame length does not match its header")
-        scales = np.frombuffer(frame, dtype=np.float16, count=2 * groups, offset=_HEAD.size)
-        shape = (h, n, 1) if per_token else (h, 1, hd)
+        scales = np.frombuffer(frame, dtype=np.float16, count=2 * groups, offset=start)
         lo = torch.from_numpy(scales[:groups].astype(np.float32)).view(shape).to(out.device)
         step = torch.from_numpy(scales[groups:].astype(np.float32)).view(shape).to(out.device)
         raw = self._dctx.decompress(memoryview(frame)[head:], max_output_size=h * n * hd // 2)
@@ -112,7 +185,16 @@ class Decoder:
         half = hd // 2
         out[..., :half] = packed & 15  # uint8 → float as it is written
         out[..., half:] = packed >> 4
-        out.mul_(step).add_(lo)
+        if per_token or blocks == 1:
+            out.mul_(step).add_(lo)  # (h, n, 1) per token, (h, 1, hd) per channel: broadcast
+        else:
+            full = n // group * group  # whole blocks as one strided view, the shorter last one alone
+            body = out[:, :full].view(h, n // group, group, hd)
+            body.mul_(step[:, : n // group, None]).add_(lo[:, : n // group, None])
+            if full < n:
+                out[:, full:].mul_(step[:, -1:]).add_(lo[:, -1:])
+        if kind == V_ROTATED:
+            out.copy_(out @ self._rotation(hd, out.device).to(out.dtype))
 
     def layer(self, k_frame, v_frame, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         """Layer frames into k_out (pre-RoPE), v_out (Hkv, n, hd) float32."""

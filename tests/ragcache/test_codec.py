@@ -8,7 +8,7 @@ from blend import ChunkKV, Reuse, compute_chunk, compute_prefix, fuse_and_prefil
 from ragcache.store import CorruptBlob, TieredStore, decode, encode
 from ragcache.store.codec import rotate_k, from_bytes, to_bytes
 from ragcache.store.codecs import spec_for
-from ragcache.store.compact import Spec
+from ragcache.store.compact import Spec, hadamard
 from ragcache.store.disk import DiskTier
 from ragcache.store.memory import MemoryTier
 
@@ -26,26 +26,50 @@ def real_chunk(smol_runner, smollm):
     return compute_chunk(smol_runner, ids, prefix)
 
 
+def _slack(x: torch.Tensor, dim) -> torch.Tensor:
+    """The float16 rounding of a group's lo and step."""
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    return 2.0**-10 * (lo.abs() + (hi - lo)) + 1e-6
+
+
 def _within_bound(x: torch.Tensor, x_hat: torch.Tensor, bits: int, dim: int) -> bool:
     """|x − x̂| ≤ step/2 per group, plus the float16 rounding of the group's lo and step."""
-    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
-    step = (hi - lo) / ((1 << bits) - 1)
-    slack = 2.0**-10 * (lo.abs() + (hi - lo))
-    return bool(((x - x_hat).abs() <= step / 2 + slack + 1e-6).all())
+    step = (x.amax(dim, keepdim=True) - x.amin(dim, keepdim=True)) / ((1 << bits) - 1)
+    return bool(((x - x_hat).abs() <= step / 2 + _slack(x, dim)).all())
 
 
-def test_compact_round_trip_on_real_kv_is_within_its_bound_and_under_3_2_bits(real_chunk, smol_runner, tmp_path):
-    spec = spec_for("compact", smol_runner.num_layers, tmp_path, "uncalibrated")  # the default widths
+def _clipped_within_bound(x: torch.Tensor, x_hat: torch.Tensor, bits: int) -> bool:
+    """A clipped K block (H, G, hd), groups along tokens: each group's squared error at most plain min–max's,
+    each element within (max − min)/4 + step/2 (its range is never clipped below half)."""
+    top = (1 << bits) - 1
+    lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+    step = ((hi - lo) / top).half().float()
+    plain = ((x - lo.half().float()) / torch.where(step > 0, step, 1)).round().clamp(0, top) * step + lo.half().float()
+    sq, sq_plain = (x - x_hat).square().sum(1), (x - plain).square().sum(1)
+    loose = (hi - lo) / 4 + (hi - lo) / (4 * top) + _slack(x, 1)
+    return bool((sq <= sq_plain * (1 + 1e-3) + 1e-9).all() and ((x - x_hat).abs() <= loose).all())
+
+
+@pytest.mark.parametrize("name", ["compact", "compact-k3v3"])  # the default; the first format
+def test_compact_round_trip_on_real_kv_is_within_its_bound_and_under_3_2_bits(real_chunk, smol_runner, tmp_path,
+                                                                              name):
+    spec = spec_for(name, smol_runner.num_layers, tmp_path, "uncalibrated")
     entry = from_bytes(to_bytes(encode(real_chunk, "float32", spec, smol_runner.inv_freq)))
     bits = len(to_bytes(entry)) * 8 / (2 * real_chunk.k.numel())  # every scale, sum and header counted
     assert bits <= 3.2, bits
     back = decode(entry, torch.float32, torch.device("cpu"))
     assert back.k_pre_rope and not back.lossless and torch.equal(back.token_ids, real_chunk.token_ids)
-    n = len(real_chunk)
+    n, hd = len(real_chunk), real_chunk.k.shape[-1]
     k_pre = rotate_k(real_chunk.k, -torch.arange(real_chunk.start, real_chunk.start + n), smol_runner.inv_freq)
+    rot = hadamard(hd) if spec.v_rotate else torch.eye(hd)  # its own inverse: the bound holds for V rotated
     for l in range(smol_runner.num_layers):
-        assert _within_bound(k_pre[l], back.k[l], spec.k_bits[l], dim=1)  # K: per (head, channel)
-        assert _within_bound(real_chunk.v[l], back.v[l], spec.v_bits[l], dim=2)  # V: per (head, token)
+        if spec.k_group:  # K: per (head, channel) in blocks of tokens, clipped
+            g = spec.k_group
+            assert all(_clipped_within_bound(k_pre[l, :, s : s + g], back.k[l, :, s : s + g], spec.k_bits[l])
+                       for s in range(0, n, g))
+        else:  # K: per (head, channel) over the chunk
+            assert _within_bound(k_pre[l], back.k[l], spec.k_bits[l], dim=1)
+        assert _within_bound(real_chunk.v[l] @ rot, back.v[l] @ rot, spec.v_bits[l], dim=2)  # V: per (head, token)
 
 
 def test_pre_rope_k_is_rotated_to_its_new_place_when_fused(real_chunk, smol_runner):
@@ -70,14 +94,14 @@ def _store(db, root) -> TieredStore:
 
 @pytest.mark.parametrize("damage", ["frame", "head"])
 def test_raw_and_compact_blobs_share_a_store_and_a_corrupt_frame_is_never_served(db, tmp_path, damage):
-    spec = Spec.uniform("compact-k3v3", 4, 3, 3)
+    spec = Spec.uniform("compact-k3v3+g16+r", 4, 3, 3, k_group=16, v_rotate=True)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
     chunk = fake_chunk(7, n=40)
     store = _store(db, tmp_path / "kv")
     store.put("old", encode(chunk, "float32"))  # a raw blob, as every store held before codecs
     store.put("new", encode(chunk, "float32", spec, inv_freq))
     old, new = store.get("old"), store.get("new")
-    assert old.tier == new.tier == "disk" and old.entry.codec == "raw" and new.entry.codec == "compact-k3v3"
+    assert old.tier == new.tier == "disk" and old.entry.codec == "raw" and new.entry.codec == "compact-k3v3+g16+r"
     assert torch.equal(decode(old.entry, torch.float32, torch.device("cpu")).v, chunk.v)
     assert (decode(new.entry, torch.float32, torch.device("cpu")).v - chunk.v).abs().max() < 0.6
     path = next((tmp_path / "kv").glob("*/new.safetensors"))
@@ -88,10 +112,12 @@ def test_raw_and_compact_blobs_share_a_store_and_a_corrupt_frame_is_never_served
     assert store.get("old") is not None
 
 
-def test_a_frame_damaged_in_memory_does_not_decode():
-    spec = Spec.uniform("compact-k2v2", 4, 2, 2)
+@pytest.mark.parametrize("name, k_group, v_rotate", [("compact-k2v2", 0, False), ("compact-k2v2+g16+r", 16, True)])
+def test_a_frame_damaged_in_memory_does_not_decode(name, k_group, v_rotate):
+    spec = Spec.uniform(name, 4, 2, 2, k_group=k_group, v_rotate=v_rotate)
     entry = encode(fake_chunk(8, n=40), "float32", spec, 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
-    entry.frames[3] = entry.frames[3][:-5]
+    entry.frames[2] = entry.frames[2][:-5]  # a K frame
+    entry.frames[3] = bytes(entry.frames[3][:4]) + entry.frames[3][8:]  # a V frame's scales cut short
     with pytest.raises(CorruptBlob):
         decode(entry, torch.float32, torch.device("cpu"))
 
