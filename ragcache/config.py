@@ -87,7 +87,7 @@ class Settings(BaseSettings):
     job_threads: int = 0  # torch threads of a precompute job the server starts; 0: half the cores
     max_queue: int = 64  # requests waiting for the model beyond this get 429
     # one tenant's share (an API key; the namespace without keys); 0: derived from the global limits
-    tenant_max_queue: int = 0  # its waiting requests beyond this get 429; 0: half of max_queue
+    tenant_max_queue: int = 0  # its waiting requests beyond this get 429; 0: half of max_queue with keys, all of it without
     tenant_max_running: int = 0  # its requests prefilling or decoding at once (more wait); 0: a quarter of max_queue
     tenant_max_tokens: int = 0  # KV rows (prompt + max_tokens) its running requests hold; 0: half the KV budget
     kv_budget_bytes: int = 4 << 30  # fused KV caches of running requests, together; more wait (one alone: 400)

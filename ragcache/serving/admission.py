@@ -8,9 +8,12 @@
     admission.release(prep)            # a finished, failed or cancelled request gives its budget back
 
 A tenant is an API key (the namespace, without keys; `Ask.who`). Its share of what runs at once:
-RAGCACHE_TENANT_MAX_RUNNING requests and RAGCACHE_TENANT_MAX_TOKENS tokens of KV (prompt + max_tokens);
-a tenant at its share waits while the others' requests pass it, one alone always runs. The tenant whose
+RAGCACHE_TENANT_MAX_RUNNING requests and RAGCACHE_TENANT_MAX_TOKENS tokens of KV (prompt + max_tokens).
+The shares are work-conserving: a tenant past its share waits only while another tenant has a request
+ready, so one tenant alone may use the whole budget; one request alone always runs. The tenant whose
 turn it is and that is within its share waits for the budget: nobody passes it, so nobody starves.
+The waiting-room share (RAGCACHE_TENANT_MAX_QUEUE) holds even for a tenant alone, or a flood that came
+first would fill the room before anyone else arrives; without keys (one trusted user) it is the whole room.
 
 Cached custom prompt heads (`prefixes.PrefixCache`) hold part of the budget too, and give way to a request.
 
@@ -54,9 +57,11 @@ class Limits:
 
     @classmethod
     def of(cls, settings, max_queue: int) -> "Limits":
-        """From the settings; a tenant limit of 0 is derived from the global ones."""
+        """From the settings; a tenant limit of 0 is derived from the global ones (the queue's from whether
+        there are keys, hence tenants to keep apart)."""
         s = settings
-        return cls(max_queue, s.kv_budget_bytes, s.tenant_max_queue or max(1, max_queue // 2),
+        queue = max(1, max_queue // 2) if s.api_keys else max_queue
+        return cls(max_queue, s.kv_budget_bytes, s.tenant_max_queue or queue,
                    s.tenant_max_running or max(1, max_queue // 4), s.tenant_max_tokens)
 
 
@@ -116,9 +121,10 @@ class Admission:
         now, admitted = time.perf_counter(), True
         while admitted:
             admitted = False
-            for tenant, (ticket, prep) in self.ready_lines.heads():
-                if not self._within_share(self._share(tenant), prep):
-                    continue  # its own requests hold its share: the others pass it
+            heads = self.ready_lines.heads()
+            for tenant, (ticket, prep) in heads:
+                if len(heads) > 1 and not self._within_share(self._share(tenant), prep):
+                    continue  # its own requests hold its share and another tenant is ready: it passes
                 room = self.kv_budget - self.kv_in_use - prep.kv_bytes
                 if room < 0:
                     return  # its turn: it waits for the budget

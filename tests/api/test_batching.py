@@ -12,7 +12,6 @@ QUESTIONS = ["Who wrote the play?", "Where was the author educated?", "When was 
              "What is the passage about?", "Which college is mentioned?", "Name one person in the passages.",
              "What happened in 1640?", "Where is the college?"]
 MODES = ["reuse", "cacheblend", "epic", "full", "prefix", "cacheblend", "reuse", "epic"]
-SOLE_TENANT = 10**9  # one tenant (one namespace, no keys) may hold the whole KV budget: its default share is half
 
 
 def _bodies(server, n: int, **extra) -> list[dict]:
@@ -65,7 +64,7 @@ def budget_server(corpus_home, tmp_path_factory, smollm):
     """A budget that holds two requests of 2 chunks (~1.2K tokens x 46 KB each), not three; and 64
     recomputed rows a step (x 30 layers, in row-layers), so that a long prefill runs in pieces."""
     yield from _own_server(corpus_home, tmp_path_factory, smollm, "budget", RAGCACHE_KV_BUDGET_BYTES=130_000_000,
-                           RAGCACHE_MAX_STEP_ROWS=64, RAGCACHE_TENANT_MAX_TOKENS=SOLE_TENANT)
+                           RAGCACHE_MAX_STEP_ROWS=64)
 
 
 def test_the_kv_budget_holds_and_nobody_is_dropped(budget_server):
@@ -99,7 +98,7 @@ def int8_server(corpus_home, tmp_path_factory, smollm):
     """Running sequences keep int8 KV: a 2-chunk request (~1.2K tokens) counts ~12 KB a token against the
     budget instead of float32's 46 KB, so 40 MB holds two of them at once, where float32 could not hold one."""
     yield from _own_server(corpus_home, tmp_path_factory, smollm, "int8", RAGCACHE_KV_CACHE_DTYPE="int8",
-                           RAGCACHE_KV_BUDGET_BYTES=40_000_000, RAGCACHE_TENANT_MAX_TOKENS=SOLE_TENANT)
+                           RAGCACHE_KV_BUDGET_BYTES=40_000_000)
 
 
 def test_int8_serving_kv_counts_its_own_bytes_and_batched_answers_equal_alone(int8_server):

@@ -160,7 +160,10 @@ def test_stalled_uploads_time_out_while_a_generate_answers_and_strangers_are_ref
     finally:
         for s in stalled:
             s.close()
-    extra = [_raw(guarded, "GET /health HTTP/1.1\nHost: x\n") for _ in range(MAX_CONNECTIONS + 10)]
+    url = urlparse(guarded.url)  # every socket open before any asks: none has time to be answered and let go
+    extra = [socket.create_connection((url.hostname, url.port), timeout=120) for _ in range(MAX_CONNECTIONS + 10)]
+    for s in extra:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     assert 503 in [_status(s) for s in extra]  # past RAGCACHE_MAX_CONNECTIONS: refused, not a queue of sockets
 
 

@@ -7,13 +7,18 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from blend.prompt import QUESTION, chat_frame, conversation, encode
 from ragcache.config import Settings
 from ragcache.errors import Busy
+from ragcache.serving.admission import Admission, Limits
 from ragcache.serving.prefixes import PrefixCache
 from ragcache.serving.scheduler import Scheduler
+from ragcache.serving.sequence import Prepared
+from ragcache.serving.tally import ServingStats
 from ragcache.serving.textstream import TextStream
+from ragcache.serving.ticket import Ticket
 
 
 @pytest.mark.parametrize("text", ["  Exeter College, Oxford.  ", "Zürich — 東京 café 🙂 done", "a\n\n b  c ", " "])
@@ -136,3 +141,27 @@ def test_close_cancels_what_waits():
     started.wait(10)
     sched.close()  # the running one sees its cancel at once, the waiting one never starts
     assert sorted(events) == [("cancelled", None), ("done", True)]
+
+
+def _request(admission: Admission, tenant: str) -> None:
+    """One request of `tenant` through the door and ready (100 bytes of KV, 20 rows)."""
+    who = SimpleNamespace(who=tenant)
+    prep = Prepared(ask=who, policy=None, sampling=SimpleNamespace(max_new_tokens=10), prefix=[], suffix=torch.zeros(10),
+                    chunks=[], hits=[], tiers=[], stops=frozenset(), kv_bytes=100)
+    admission.enter(0, tenant)
+    admission.ready(Ticket(lambda kind, payload: None, ask=who), prep)
+
+
+def test_tenant_shares_hold_only_while_another_tenant_is_ready():
+    """A tenant alone may use the whole budget past its share; once another is ready, it passes."""
+    limits = Limits(max_queue=10, kv_budget=400, tenant_queue=10, tenant_running=1, tenant_tokens=0)  # 4 fit
+    admission = Admission(limits, ServingStats(), SimpleNamespace(shrink=lambda room: None))
+    for _ in range(3):
+        _request(admission, "a")
+    admission.admit()
+    assert len(admission.admitted) == 3  # alone: three running, its share is one
+    _request(admission, "a")
+    _request(admission, "b")
+    admission.admit()
+    assert [t.tenant for t, _ in admission.admitted][3:] == ["b"]  # a's turn, but past its share while b waits
+    assert [t.tenant for t, _ in admission.ready_lines] == ["a"]
