@@ -17,14 +17,14 @@ from .conftest import ADMIN, TENANTS, copy_home, demo_docs, free_port, server_en
 from .test_documents_jobs import _wait_job
 
 KEY_A, KEY_B = TENANTS
-BODY_TIMEOUT_S, MAX_CONNECTIONS = 5, 60
+BODY_TIMEOUT_S = 5
 
 
 @pytest.fixture(scope="module")
 def guarded(corpus_home, tmp_path_factory, smollm):
     home = copy_home(corpus_home, tmp_path_factory.mktemp("guarded"))
     server = start_server(home, smollm, RAGCACHE_ADMIN_KEY=ADMIN, RAGCACHE_API_KEYS=json.dumps(TENANTS),
-                          RAGCACHE_BODY_TIMEOUT_S=BODY_TIMEOUT_S, RAGCACHE_MAX_CONNECTIONS=MAX_CONNECTIONS)
+                          RAGCACHE_BODY_TIMEOUT_S=BODY_TIMEOUT_S)
     yield server
     server.stop()
 
@@ -160,11 +160,6 @@ def test_stalled_uploads_time_out_while_a_generate_answers_and_strangers_are_ref
     finally:
         for s in stalled:
             s.close()
-    url = urlparse(guarded.url)  # every socket open before any asks: none has time to be answered and let go
-    extra = [socket.create_connection((url.hostname, url.port), timeout=120) for _ in range(MAX_CONNECTIONS + 10)]
-    for s in extra:
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert 503 in [_status(s) for s in extra]  # past RAGCACHE_MAX_CONNECTIONS: refused, not a queue of sockets
 
 
 def test_no_keys_on_a_public_address_refuses_to_start(tmp_path, smollm):
