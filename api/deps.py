@@ -38,7 +38,7 @@ def record(request: Request, route: str, ask: Ask, result: dict) -> None:
         "finish_reason": result["finish_reason"]})
 
 
-async def on_prep_thread(request: Request, work):
+async def on_side_worker(request: Request, work):
     """Run `work()` on the scheduler's side worker (an ingest), never in the way of requests' retrieval; it
     counts as a waiting request (RAGCACHE_MAX_QUEUE) until it starts."""
     scheduler = request.app.state.scheduler

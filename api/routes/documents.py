@@ -15,7 +15,7 @@ from ragcache.corpus.readers import read_file
 from ragcache.errors import Conflict, UserError
 
 from ..auth import Caller, caller
-from ..deps import on_prep_thread, service
+from ..deps import on_side_worker, service
 from ..errors import ApiError, documented, json_problem
 from ..schemas import DocId, DocumentIn, NamespaceName
 
@@ -82,7 +82,7 @@ async def add_documents(request: Request, namespace: NamespaceQuery = "default",
     else:
         docs = await run_in_threadpool(_parse, await request.body(), content_type)  # MiBs of JSON: off the loop
     svc = service(request)
-    report = await on_prep_thread(request, lambda: svc.corpus.ingest_documents(docs, namespace))
+    report = await on_side_worker(request, lambda: svc.corpus.ingest_documents(docs, namespace))
     job, job_error = None, None
     if precompute and report.chunks_added:
         try:
