@@ -2,7 +2,7 @@
 
 Request-level series are observed here (TTFT and request histograms by mode, requests by route
 and status); the rest is read from the service when scraped: store lookups by tier and result,
-corrupt blobs, tier faults, tokens reused and recomputed, the queue, the scheduler's batches and KV budget.
+corrupt blobs, tier faults, tokens reused and recomputed, the queue, the scheduler's batches and KV budget, cached prompt heads.
 """
 from __future__ import annotations
 
@@ -64,6 +64,8 @@ class _ServiceCollector:
         yield GaugeMetricFamily("ragcache_kv_budget_bytes", "RAGCACHE_KV_BUDGET_BYTES", value=self.scheduler.kv_budget)
         yield GaugeMetricFamily("ragcache_kv_in_use_bytes", "KV budget reserved by admitted requests",
                                 value=self.scheduler.kv_in_use)
+        yield GaugeMetricFamily("ragcache_prompt_heads_bytes", "Cached custom system prompts' KV, inside the budget",
+                                value=svc.generation.prefixes.nbytes)
         stats = self.scheduler.stats
         yield GaugeMetricFamily("ragcache_kv_peak_bytes", "The most KV budget reserved at once", value=stats.kv_peak)
         for name, doc, tally in (

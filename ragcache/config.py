@@ -96,6 +96,8 @@ class Settings(BaseSettings):
     decode_weights: str = "model"  # the matrices a decode step reads: model (the prefill's) | float16 (a float32
     # model on CPU: a half-size copy fbgemm widens inside its GEMM; prefill and recompute keep float32)
     max_step_rows: int = 8192  # recomputed rows one scheduler step admits (at least one request; longer: × layers)
+    shared_step_rows: int = 256  # the same while more than one tenant has requests in flight: a step is short,
+    # so one tenant's long prefills delay another's first token by about one short step, not one long one
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
     max_connections: int = 256  # open connections (and requests) beyond this get 503 (uvicorn limit_concurrency)
     body_timeout_s: float = 30.0  # a request body that takes longer to arrive gets 408: slow uploads hold nothing
@@ -147,7 +149,7 @@ class Settings(BaseSettings):
     @field_validator("chunk_tokens", "precompute_batch", "top_k", "lease_seconds", "max_new_tokens", "max_queue",
                      "precompute_attempts",
                      "max_tokens_cap",
-                     "max_body_bytes", "kv_budget_bytes", "max_step_rows", "admission_window",
+                     "max_body_bytes", "kv_budget_bytes", "max_step_rows", "shared_step_rows", "admission_window",
                      "max_connections", "body_timeout_s", "max_messages", "max_message_chars")
     @classmethod
     def _positive(cls, v: int) -> int:

@@ -4,7 +4,7 @@
                                        # the tenant's RAGCACHE_TENANT_MAX_QUEUE
     admission.ready(ticket, prep)      # retrieved and loaded (from the prep thread): in its tenant's line
     admission.admit()                  # tenants' heads in turn, while their KV fits the budget and their share
-    admission.take_prefill(cap, L)     # admitted prompts whose recomputed rows fit one step's cap
+    admission.take_prefill(L)          # admitted prompts, tenants in turn, whose recomputed rows fit this step
     admission.release(prep)            # a finished, failed or cancelled request gives its budget back
 
 A tenant is an API key (the namespace, without keys; `Ask.who`). Its share of what runs at once:
@@ -15,6 +15,13 @@ turn it is and that is within its share waits for the budget: nobody passes it, 
 The waiting-room share (RAGCACHE_TENANT_MAX_QUEUE) holds even for a tenant alone, or a flood that came
 first would fill the room before anyone else arrives; without keys (one trusted user) it is the whole room.
 
+A step's recomputed rows are RAGCACHE_MAX_STEP_ROWS while one tenant is active, RAGCACHE_SHARED_STEP_ROWS
+while more are (`step_rows`; active: a request in flight, or one that ended in the last SHARED_WINDOW_S).
+A step cannot be interrupted, so a request that arrives waits for the one under way: while tenants share
+the model a step stays short, and one tenant's long prefills (run across steps) delay another's first
+token by about one short step. The window keeps steps short between one tenant's requests, when it has
+none in flight for a moment and a long step would start just before its next one arrives.
+
 Cached custom prompt heads (`prefixes.PrefixCache`) hold part of the budget too, and give way to a request.
 
 The scheduler owns the lock: every method is called holding it.
@@ -23,7 +30,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from ..errors import Busy
@@ -31,6 +37,9 @@ from .fair import RoundRobin
 from .sequence import Prepared
 from .tally import ServingStats
 from .ticket import Ticket
+
+
+SHARED_WINDOW_S = 10.0  # a tenant whose last request ended this recently still shares the model
 
 
 @dataclass
@@ -54,6 +63,8 @@ class Limits:
     tenant_queue: int  # one tenant's waiting requests
     tenant_running: int  # one tenant's running requests
     tenant_tokens: int  # one tenant's KV rows running at once; 0: half the budget (in bytes)
+    step_rows: int  # recomputed rows a step takes, one tenant in flight
+    shared_step_rows: int  # the same, more than one
 
     @classmethod
     def of(cls, settings, max_queue: int) -> "Limits":
@@ -62,7 +73,8 @@ class Limits:
         s = settings
         queue = max(1, max_queue // 2) if s.api_keys else max_queue
         return cls(max_queue, s.kv_budget_bytes, s.tenant_max_queue or queue,
-                   s.tenant_max_running or max(1, max_queue // 4), s.tenant_max_tokens)
+                   s.tenant_max_running or max(1, max_queue // 4), s.tenant_max_tokens, s.max_step_rows,
+                   s.shared_step_rows)
 
 
 class Admission:
@@ -70,10 +82,11 @@ class Admission:
         self.limits, self.kv_budget, self.stats = limits, limits.kv_budget, stats
         self.prefixes = prefixes  # prefixes.PrefixCache: custom prompt heads' KV, inside the budget
         self.ready_lines = RoundRobin()  # (ticket, prep) per tenant: retrieved and loaded, waiting for budget
-        self.admitted: deque[tuple[Ticket, Prepared]] = deque()  # budget reserved, waiting for their prefill
+        self.admitted = RoundRobin()  # (ticket, prep) per tenant: budget reserved, waiting for their prefill
         self.shares: dict[str | None, Share] = {}  # tenant → its requests in flight (None: work items)
         self.waiting = 0  # submitted, not yet admitted (nor failed, cancelled, or started as a work item)
         self.kv_in_use = 0
+        self.last_active: dict[str | None, float] = {}  # tenant → when its last request ended (recent ones only)
         self.seconds_per_item = 1.0  # moving average of a request's time, for Retry-After
 
     @property
@@ -111,10 +124,9 @@ class Admission:
         for ticket, prep in self.ready_lines.remove_if(lambda x: x[0].cancelled.is_set()):
             self.leave(ticket.tenant)
             ticket.emit("cancelled", None)
-        for item in [x for x in self.admitted if x[0].cancelled.is_set()]:
-            self.admitted.remove(item)
-            self.release(item[1])
-            item[0].emit("cancelled", None)
+        for ticket, prep in self.admitted.remove_if(lambda x: x[0].cancelled.is_set()):
+            self.release(prep)
+            ticket.emit("cancelled", None)
 
     def admit(self) -> None:
         """Tenants in turn: the head of each line within its tenant's share, while it fits the budget."""
@@ -153,25 +165,38 @@ class Admission:
         self.kv_in_use += prep.kv_bytes
         self.stats.kv_peak = max(self.stats.kv_peak, self.kv_in_use)
         self.stats.queue_wait.observe(now - ticket.submitted)
-        self.admitted.append((ticket, prep))
+        self.admitted.put(ticket.tenant, (ticket, prep))
 
-    def take_prefill(self, cap: int, num_layers: int):
-        """(admitted prompts whose recomputed rows fit `cap` together, whether the one alone is too long for a
-        step, [(ticket, prep, exception)] of those whose plan raised: they left the line, their budget still
-        reserved); a too-long one is always taken alone, to be recomputed across steps."""
-        rows, batch, failed = 0, [], []
-        while self.admitted:
-            try:
-                n = self.admitted[0][1].plan(num_layers).recompute_rows
-            except Exception as e:  # noqa: BLE001 — that request's own failure, for the scheduler to report
-                failed.append((*self.admitted.popleft(), e))
-                continue
-            if batch and rows + n > cap:
-                break
-            batch.append(self.admitted.popleft())
-            if n > cap:  # too long for one step: in pieces, alone
-                return batch, True, failed
-            rows += n
+    @property
+    def step_rows(self) -> int:
+        """This step's cap on recomputed rows: short while more than one tenant has requests in flight."""
+        now = time.monotonic()
+        for t in [t for t, at in self.last_active.items() if now - at > SHARED_WINDOW_S]:
+            del self.last_active[t]
+        tenants = len({t for t, share in self.shares.items() if share.running} | set(self.last_active))
+        return self.limits.shared_step_rows if tenants > 1 else self.limits.step_rows
+
+    def take_prefill(self, num_layers: int, long_ok: bool = True):
+        """(admitted prompts, tenants in turn, whose recomputed rows fit `step_rows` together; whether the one
+        taken is too long for a step; [(ticket, prep, exception)] of those whose plan raised: they left the
+        line, their budget still reserved). A too-long one is taken alone, to be recomputed across steps, when
+        `long_ok` and nothing else was taken first; else it waits, and shorter ones pass it."""
+        cap, rows, batch, failed = self.step_rows, 0, [], []
+        took = True
+        while took:
+            took = False
+            for tenant, (_ticket, prep) in self.admitted.heads():
+                try:
+                    n = prep.plan(num_layers).recompute_rows
+                except Exception as e:  # noqa: BLE001 — that request's own failure, for the scheduler to report
+                    failed.append((*self.admitted.take(tenant), e))
+                    took = True
+                    continue
+                if rows + n <= cap:
+                    batch.append(self.admitted.take(tenant))
+                    rows, took = rows + n, True
+                elif n > cap and long_ok and not batch:  # too long for one step: in pieces, alone
+                    return [self.admitted.take(tenant)], True, failed
         return batch, False, failed
 
     def release(self, prep: Prepared) -> None:
@@ -181,6 +206,7 @@ class Admission:
         share.kv_bytes -= prep.kv_bytes
         share.tokens -= prep.kv_rows
         self.kv_in_use -= prep.kv_bytes
+        self.last_active[tenant] = time.monotonic()
         self._forget(tenant)
 
     def _share(self, tenant: str | None) -> Share:
@@ -197,7 +223,5 @@ class Admission:
 
     def clear(self) -> list[Ticket]:
         """Every ticket in either line, which leave them (the scheduler is closing)."""
-        tickets = [t for t, _ in [*self.ready_lines, *self.admitted]]
-        self.ready_lines.remove_if(lambda _x: True)
-        self.admitted.clear()
-        return tickets
+        return [t for t, _ in [*self.ready_lines.remove_if(lambda _x: True),
+                               *self.admitted.remove_if(lambda _x: True)]]

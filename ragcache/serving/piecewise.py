@@ -1,6 +1,6 @@
 """A long prompt recomputed across scheduler steps, so running decodes never wait more than one
-step's budget behind it: RAGCACHE_MAX_STEP_ROWS rows through every layer, in row-layers (at least
-one layer a step). The pass runs layer by layer over all its rows, as one `forward_selected` does,
+step's budget behind it: the step's row cap (`Admission.step_rows`) through every layer, in row-layers
+(at least one layer a step); its pieces take turns with other requests' prefill batches. The pass runs layer by layer over all its rows, as one `forward_selected` does,
 so it gives the same bits, and a row filter (cacheblend) still ranks every row at its check layer."""
 from __future__ import annotations
 

@@ -10,8 +10,9 @@ system prompts' prefills, which would stall the prep thread. The model thread, t
 over `step()`:
 
     admit   prepared requests while their KV fits RAGCACHE_KV_BUDGET_BYTES (`admission.Admission`)
-    prefill the admitted ones whose recomputed rows fit RAGCACHE_MAX_STEP_ROWS (one at least), batched;
-            a longer one runs across steps, that many rows x layers a step (`piecewise.Piecewise`)
+    prefill the admitted ones whose recomputed rows fit the step (`Admission.step_rows`, one at least),
+            batched, tenants in turn; a longer one runs across steps, that many rows x layers a step
+            (`piecewise.Piecewise`), its pieces taking turns with the others' batches
     pick    the next token of every running sequence, streaming its text
     release the finished or cancelled ones: their cache and budget go back at once, they answer
     decode  one forward of every sequence still running, batched
@@ -55,6 +56,7 @@ class Scheduler:
         self._cond = threading.Condition()  # guards `admission`; `_running` and `_piecewise` are the model thread's
         self._running: list[tuple[Ticket, Sequence]] = []
         self._piecewise: Piecewise | None = None  # a long prompt recomputed across steps
+        self._piece_next = True  # whether the next step runs the piecewise prefill's piece, or offers a batch
         self._stop = False
         self._threads = 0
         self._side = SideWorker(self._cond, self.admission.leave)  # both share the lock
@@ -116,35 +118,37 @@ class Scheduler:
 
     def step(self) -> None:
         """One turn of the serving loop."""
-        batch = self._admit()
+        batch, cap = self._admit()
         self._share_cores()
-        self._prefill(batch)
+        self._prefill(batch, cap)
         done = self._pick()
         self._release(done)
         self._decode()
 
-    def _admit(self) -> list[tuple[Ticket, Prepared]]:
-        """Admit what fits the KV budget; take this step's prefill batch (none while a long one runs)."""
+    def _admit(self) -> tuple[list[tuple[Ticket, Prepared]], int]:
+        """Admit what fits the KV budget; take this step's prefill batch (none when a long one's piece runs),
+        and the step's row cap."""
         with self._cond:
             self.admission.drop_cancelled()
             self.admission.admit()
-            if self._piecewise is not None:
-                return []
-            batch, too_long, failed = self.admission.take_prefill(self.service.settings.max_step_rows,
-                                                                  self.service.runner.num_layers)
+            cap, long_one = self.admission.step_rows, self._piecewise is not None
+            if long_one and self._piece_next:
+                self._piece_next = False
+                return [], cap
+            batch, too_long, failed = self.admission.take_prefill(self.service.runner.num_layers, not long_one)
         for ticket, prep, e in failed:
             self._fail(ticket, prep, None, e, "planning a prefill")
         if too_long:
-            self._piecewise = Piecewise(*batch[0])
-            return []
-        return batch
+            self._piecewise, batch = Piecewise(*batch[0]), []
+        self._piece_next = bool(batch)  # a piece runs in this step when no batch does; else in the next
+        return batch, cap
 
-    def _prefill(self, batch: list[tuple[Ticket, Prepared]]) -> None:
-        """The batch's selective recomputes together, or the next piece of a long one: new running sequences."""
-        if self._piecewise is not None:
-            self._prefill_piece()
-            return
+    def _prefill(self, batch: list[tuple[Ticket, Prepared]], cap: int) -> None:
+        """The batch's selective recomputes together, else the next `cap` rows x layers of a long one: new
+        running sequences."""
         if not batch:
+            if self._piecewise is not None:
+                self._prefill_piece(cap)
             return
         now = time.perf_counter()
         for _, prep in batch:
@@ -165,7 +169,7 @@ class Scheduler:
         for (ticket, prep), f in zip(batch, fused):
             self._start(ticket, prep, f)
 
-    def _prefill_piece(self) -> None:
+    def _prefill_piece(self, cap: int) -> None:
         piece = self._piecewise
         if piece.ticket.cancelled.is_set():
             self._piecewise = None
@@ -173,7 +177,7 @@ class Scheduler:
             piece.ticket.emit("cancelled", None)
             return
         try:
-            fused = piece.step(self.service.runner, self.service.settings.max_step_rows)
+            fused = piece.step(self.service.runner, cap)
         except Exception as e:  # noqa: BLE001 — this request fails; the others run on
             self._piecewise = None
             self._fail(piece.ticket, piece.prep, piece.cache, e, "a piecewise prefill")

@@ -6,8 +6,10 @@ from __future__ import annotations
 import threading
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import ragcache.serving.scheduler as scheduler_module
+from api.metrics import Metrics
 from ragcache.config import Settings
 from ragcache.serving.generation import Ask
 from ragcache.serving.piecewise import Piecewise
@@ -120,6 +122,33 @@ def test_a_custom_system_prompt_is_cached_per_namespace_inside_the_budget(sched)
     assert not gen.needs_prefix(a)  # cached for A's namespace
     assert gen.needs_prefix(Ask(OTHERS[0], "another-tenant", system=x))  # a miss for B, as a cold prompt is
     assert 0 < gen.prefixes.nbytes <= gen.prefixes.max_bytes
+    assert _gauge(Metrics(sched.service, sched), "ragcache_prompt_heads_bytes") == gen.prefixes.nbytes
     with sched._cond:
         sched.admission.prefixes.shrink(0)  # what admission does when a request needs the budget
     assert gen.prefixes.nbytes == 0 and gen.needs_prefix(a)
+    assert _gauge(Metrics(sched.service, sched), "ragcache_prompt_heads_bytes") == 0
+
+
+def _gauge(metrics: Metrics, name: str) -> float:
+    text = metrics.render().decode()
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def test_another_tenants_short_prefill_runs_between_the_pieces_of_a_long_one(sched):
+    """Tenant A's `full` prompt (~1,300 rows, 256 a step) runs in pieces; tenant B's `reuse` request,
+    submitted just after it, is prefilled between two pieces, so B answers first."""
+    order, done = [], threading.Semaphore(0)
+
+    def on_event(tenant):
+        return lambda kind, _p: kind != "text" and (order.append((tenant, kind)), done.release())
+
+    long_query = " ".join([OTHERS[0]] * 200)
+    sched.submit_generation(Ask(long_query, NAMESPACE, top_k=2, mode="full", max_new_tokens=1, tenant="a"),
+                            on_event("a"))
+    sched.submit_generation(Ask(OTHERS[1], NAMESPACE, top_k=2, mode="reuse", max_new_tokens=1, tenant="b"),
+                            on_event("b"))
+    for _ in range(2):
+        assert done.acquire(timeout=300), f"a request never answered: {order}"
+    assert order == [("b", "done"), ("a", "done")]
+    assert sched.admission.step_rows == sched.service.settings.shared_step_rows  # both ended just now
+

@@ -143,10 +143,17 @@ def test_close_cancels_what_waits():
     assert sorted(events) == [("cancelled", None), ("done", True)]
 
 
-def _request(admission: Admission, tenant: str) -> None:
-    """One request of `tenant` through the door and ready (100 bytes of KV, 20 rows)."""
+class _NoHead(list):
+    """An empty prompt head: no tokens, no key."""
+    key = None
+
+
+def _request(admission: Admission, tenant: str, recompute: int = 20) -> None:
+    """One request of `tenant` through the door and ready (100 bytes of KV, 20 rows; `recompute` of them)."""
     who = SimpleNamespace(who=tenant)
-    prep = Prepared(ask=who, policy=None, sampling=SimpleNamespace(max_new_tokens=10), prefix=[], suffix=torch.zeros(10),
+    policy = SimpleNamespace(plan=lambda layout, num_layers: SimpleNamespace(recompute_rows=recompute))
+    prep = Prepared(ask=who, policy=policy, sampling=SimpleNamespace(max_new_tokens=10), prefix=_NoHead(),
+                    suffix=torch.zeros(10),
                     chunks=[], hits=[], tiers=[], stops=frozenset(), kv_bytes=100)
     admission.enter(0, tenant)
     admission.ready(Ticket(lambda kind, payload: None, ask=who), prep)
@@ -154,7 +161,8 @@ def _request(admission: Admission, tenant: str) -> None:
 
 def test_tenant_shares_hold_only_while_another_tenant_is_ready():
     """A tenant alone may use the whole budget past its share; once another is ready, it passes."""
-    limits = Limits(max_queue=10, kv_budget=400, tenant_queue=10, tenant_running=1, tenant_tokens=0)  # 4 fit
+    limits = Limits(max_queue=10, kv_budget=400, tenant_queue=10, tenant_running=1, tenant_tokens=0, step_rows=1000,
+                    shared_step_rows=50)  # 4 fit
     admission = Admission(limits, ServingStats(), SimpleNamespace(shrink=lambda room: None))
     for _ in range(3):
         _request(admission, "a")
@@ -165,3 +173,28 @@ def test_tenant_shares_hold_only_while_another_tenant_is_ready():
     admission.admit()
     assert [t.tenant for t, _ in admission.admitted][3:] == ["b"]  # a's turn, but past its share while b waits
     assert [t.tenant for t, _ in admission.ready_lines] == ["a"]
+
+
+def test_a_step_is_short_while_two_tenants_share_the_model_and_its_batch_takes_tenants_in_turn():
+    limits = Limits(max_queue=10, kv_budget=10_000, tenant_queue=10, tenant_running=10, tenant_tokens=0,
+                    step_rows=1000, shared_step_rows=50)
+    admission = Admission(limits, ServingStats(), SimpleNamespace(shrink=lambda room: None))
+    for _ in range(3):
+        _request(admission, "a", recompute=40)
+    admission.admit()
+    assert admission.step_rows == 1000  # a alone
+    _request(admission, "b", recompute=10)
+    admission.admit()
+    assert admission.step_rows == 50
+    batch, too_long, _ = admission.take_prefill(num_layers=2)
+    assert [t.tenant for t, _ in batch] == ["a", "b"] and not too_long  # b passes a's next two
+    batch, too_long, _ = admission.take_prefill(num_layers=2)
+    assert [t.tenant for t, _ in batch] == ["a"]
+    admission = Admission(limits, ServingStats(), SimpleNamespace(shrink=lambda room: None))
+    _request(admission, "a", recompute=60)  # longer than a shared step: alone, in pieces
+    _request(admission, "b", recompute=10)
+    admission.admit()
+    batch, _, _ = admission.take_prefill(num_layers=2, long_ok=False)  # while another long one runs
+    assert [t.tenant for t, _ in batch] == ["b"]  # the long one waits, the short one passes it
+    batch, too_long, _ = admission.take_prefill(num_layers=2)
+    assert [t.tenant for t, _ in batch] == ["a"] and too_long
