@@ -18,7 +18,7 @@ from ragcache.service import RagCache
 
 from . import errors
 from .metrics import Metrics
-from .middleware import BodyLimit, CountRequests, KeyFirst
+from .middleware import BodyLimit, CountRequests, InFlight, KeyFirst
 from .routes import cache, dashboard, documents, health, jobs, openai, rag
 
 
@@ -44,7 +44,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     app.add_middleware(KeyFirst, settings=settings)  # before any body is read
-    app.add_middleware(CountRequests)  # outermost: it counts the 401s and 413s too
+    app.add_middleware(InFlight, limit=settings.max_connections)
+    app.add_middleware(CountRequests)  # outermost: it counts the 401s, 413s and 503s too
     for module in (rag, openai, documents, jobs, cache, health, dashboard):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=dashboard.STATIC), name="static")

@@ -29,7 +29,8 @@ def _serve(args, settings) -> int:
         print(f"ragcache serve: no API keys configured (RAGCACHE_API_KEYS, RAGCACHE_ADMIN_KEY): anyone who can "
               f"reach {args.host}:{args.port} can use every namespace", file=sys.stderr, flush=True)
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5, limit_concurrency=settings.max_connections)
+                timeout_graceful_shutdown=5,
+                limit_concurrency=2 * settings.max_connections + 16)  # idle connections too: a backstop
     return 0
 
 

@@ -1,6 +1,6 @@
-"""Plain ASGI middlewares: an unknown key is refused before its body is read; request bodies over the
-limit get 413, and ones that arrive too slowly 408, before any route reads them; every response is
-counted by route template and status for /metrics."""
+"""Plain ASGI middlewares: past the limit of requests in flight, a 503; an unknown key is refused before
+its body is read; request bodies over the limit get 413, and ones that arrive too slowly 408, before any
+route reads them; every response is counted by route template and status for /metrics."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +10,29 @@ from .auth import identify
 from .errors import ApiError, response
 
 _CLOSE = {"Connection": "close"}  # the body was not read: the connection cannot carry another request
+
+
+class InFlight:
+    """Past `limit` requests in flight (bodies arriving, streams running), a JSON 503 with Retry-After naming
+    RAGCACHE_MAX_CONNECTIONS; the probes and /metrics always answer, for the load balancer that asks."""
+
+    EXEMPT = ("/health", "/ready", "/metrics")
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit, self.count = app, limit, 0  # the event loop's: no lock needed
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.EXEMPT:
+            return await self.app(scope, receive, send)
+        if self.count >= self.limit:
+            return await response(503, f"{self.count} requests are in flight (RAGCACHE_MAX_CONNECTIONS="
+                                       f"{self.limit}); retry in 1 s", headers={"Retry-After": "1", **_CLOSE})(
+                scope, receive, send)
+        self.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.count -= 1
 
 
 class KeyFirst:

@@ -109,7 +109,9 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     b.add_argument("--rerank", type=int, default=20, help="coverage: hybrid candidates the reranker orders (0: none)")
     b.add_argument("--json", action="store_true", help="coverage: print the results as JSON")
     b.add_argument("--chunks", type=_positive, default=None, help="precompute: chunks (40); retrieval: index size (10000)")
-    b.add_argument("--seconds", type=_positive, default=60, help="http: how long the load runs")
+    b.add_argument("--seconds", type=_positive, default=60, help="http: how long the load runs; tenants --hostile: "
+                   "how long B runs under the flood")
+    b.add_argument("--hostile", action="store_true", help="tenants: A also pins, sends bad bodies, stalls uploads")
     b.add_argument("--clients", type=_ints, default=[1, 4, 8, 16],
                    help="serve: concurrent clients, comma-separated; tenants: the flooder's (the largest)")
     b.add_argument("--rounds", type=_positive, default=2, help="serve: requests per client; tenants: B's requests")

@@ -96,10 +96,11 @@ class Settings(BaseSettings):
     decode_weights: str = "model"  # the matrices a decode step reads: model (the prefill's) | float16 (a float32
     # model on CPU: a half-size copy fbgemm widens inside its GEMM; prefill and recompute keep float32)
     max_step_rows: int = 8192  # recomputed rows one scheduler step admits (at least one request; longer: × layers)
-    shared_step_rows: int = 256  # the same while more than one tenant has requests in flight: a step is short,
+    shared_step_rows: int = 64  # the same while more than one tenant is active: a step is short,
     # so one tenant's long prefills delay another's first token by about one short step, not one long one
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
-    max_connections: int = 256  # open connections (and requests) beyond this get 503 (uvicorn limit_concurrency)
+    max_connections: int = 256  # requests in flight beyond this get a JSON 503 (open connections past twice this,
+    # uvicorn's plain one)
     body_timeout_s: float = 30.0  # a request body that takes longer to arrive gets 408: slow uploads hold nothing
     max_messages: int = 256  # a chat request with more messages gets 413
     max_message_chars: int = 200_000  # characters of a chat request's messages together; more: 413

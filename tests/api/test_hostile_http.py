@@ -3,6 +3,7 @@ reaches a 500, no slow upload that holds the server, no job that refuses the nex
 from __future__ import annotations
 
 import json
+import select
 import socket
 import subprocess
 import sys
@@ -17,14 +18,14 @@ from .conftest import ADMIN, TENANTS, copy_home, demo_docs, free_port, server_en
 from .test_documents_jobs import _wait_job
 
 KEY_A, KEY_B = TENANTS
-BODY_TIMEOUT_S = 5
+BODY_TIMEOUT_S, MAX_CONNECTIONS = 5, 60
 
 
 @pytest.fixture(scope="module")
 def guarded(corpus_home, tmp_path_factory, smollm):
     home = copy_home(corpus_home, tmp_path_factory.mktemp("guarded"))
     server = start_server(home, smollm, RAGCACHE_ADMIN_KEY=ADMIN, RAGCACHE_API_KEYS=json.dumps(TENANTS),
-                          RAGCACHE_BODY_TIMEOUT_S=BODY_TIMEOUT_S)
+                          RAGCACHE_BODY_TIMEOUT_S=BODY_TIMEOUT_S, RAGCACHE_MAX_CONNECTIONS=MAX_CONNECTIONS)
     yield server
     server.stop()
 
@@ -160,6 +161,31 @@ def test_stalled_uploads_time_out_while_a_generate_answers_and_strangers_are_ref
     finally:
         for s in stalled:
             s.close()
+
+
+def test_past_the_requests_in_flight_a_json_503_names_the_limit_and_the_probes_still_answer(guarded):
+    stalled = [_raw(guarded, _upload_head(KEY_A, 1_000_000), b"[") for _ in range(MAX_CONNECTIONS)]
+    try:
+        with guarded.client(ADMIN) as b:
+            while True:  # once the server has read every stalled upload's headers, and before they time out
+                r = b.get("/v1/cache/stats")
+                if r.status_code == 503:
+                    break
+                assert r.status_code == 200, r.text
+                assert not any(_answered(s) for s in stalled), "the uploads timed out before all were in flight"
+            assert "RAGCACHE_MAX_CONNECTIONS=60" in r.json()["error"]["message"] and r.headers["Retry-After"] == "1"
+            assert httpx.get(f"{guarded.url}/health", timeout=60).status_code == 200
+        assert {_status(s) for s in stalled} == {408}
+        with guarded.client(ADMIN) as b:  # they let go: the limit is free again
+            assert b.get("/v1/cache/stats").status_code == 200
+    finally:
+        for s in stalled:
+            s.close()
+
+
+def _answered(s: socket.socket) -> bool:
+    """Whether a response (or the close) is waiting on `s`, without reading it."""
+    return bool(select.select([s], [], [], 0)[0])
 
 
 def test_no_keys_on_a_public_address_refuses_to_start(tmp_path, smollm):

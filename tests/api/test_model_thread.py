@@ -135,7 +135,7 @@ def _gauge(metrics: Metrics, name: str) -> float:
 
 
 def test_another_tenants_short_prefill_runs_between_the_pieces_of_a_long_one(sched):
-    """Tenant A's `full` prompt (~1,300 rows, 256 a step) runs in pieces; tenant B's `reuse` request,
+    """Tenant A's `full` prompt (~1,300 rows, at most 256 a step) runs in pieces; tenant B's `reuse` request,
     submitted just after it, is prefilled between two pieces, so B answers first."""
     order, done = [], threading.Semaphore(0)
 
