@@ -62,7 +62,7 @@ def replica(service, tmp_path, smollm):
 def _versions(service) -> tuple[set[int], set[int]]:
     """a's served chunk ids, and its staged ones."""
     doc = service.corpus.document("default", "a")
-    return set(doc["chunk_ids"]), set((doc["staged"] or {}).get("chunk_ids", []))
+    return set(doc["chunk_ids"]), set((doc.get("staged") or {}).get("chunk_ids", []))
 
 
 def _found(service) -> set[int]:
@@ -109,12 +109,12 @@ def test_between_a_change_and_its_precompute_the_old_chunks_are_served(service, 
     old, _ = _versions(service)
     assert _found(replica) == old
     report = service.ingest(_docs(tmp_path / "docs.jsonl", NEW))
+    assert _found(service) == old and _found(replica) == old
     assert (report.replaced, report.staged, report.chunks_removed, report.orphan_kv_keys) == (1, 1, 0, [])
     served, staged = _versions(service)
     assert served == old and staged and not staged & old
     doc = service.corpus.document("default", "a")
     assert doc["chunks_by_state"] == {"done": len(old)} and doc["staged"]["chunks_by_state"] == {"pending": len(staged)}
-    assert _found(service) == old and _found(replica) == old
     out = service.generate("Which river flows past the old mill?", top_k=3)
     mine = [c for c in out["chunks"] if c["doc_id"] == "a"]
     assert mine and {c["id"] for c in mine} <= old and {c["tier"] for c in mine} <= {"cpu", "disk"}  # stored KV
@@ -151,8 +151,8 @@ def test_a_change_while_staged_replaces_the_staged_version_the_last_write_wins(s
     seen = _on_prefill(service, 3, change)
     run_precompute(service.settings, progress=False, service=service)
     [(report, (served, staged), found)] = seen
-    assert (report.staged, report.chunks_removed) == (1, len(first)) and len(report.orphan_kv_keys) == 2
     assert served == old and found == old  # NEW is gone, OLD still served
+    assert (report.staged, report.chunks_removed) == (1, len(first)) and len(report.orphan_kv_keys) == 2
     assert _versions(service) == (staged, set()) and _found(service) == staged  # NEWER, swapped in
     assert _words(service, staged) == {"Lake"}
     _no_orphans(service)
