@@ -74,17 +74,15 @@ def _cut(path, at=None) -> None:
 
 @pytest.mark.parametrize("damaged", ["model.safetensors", "chat_template.jinja"])  # unreadable; still parses
 def test_a_damaged_conversion_of_the_default_model_is_converted_again(tmp_path, smollm, damaged):
-    from blend.conversion import RECORD
-
     models = tmp_path / "models"
     shutil.copytree(smollm.path, models / smollm.path.name)  # a home of its own: the shared cache stays whole
     conversion = models / smollm.path.name
-    load_model(None, tmp_path, device="cpu", dtype="float32")  # its record, if the copy had none
+    load_model(None, tmp_path, device="cpu", dtype="float32")  # its record (of what a conversion wrote), if none
     original = (conversion / damaged).read_bytes()
     _cut(conversion / damaged)
     again = load_model(None, tmp_path, device="cpu", dtype="float32")
     assert again.fingerprint == smollm.fingerprint and (conversion / damaged).read_bytes() == original
-    assert sorted(p.name for p in models.iterdir()) == [smollm.path.name] and (conversion / RECORD).is_file()
+    assert sorted(p.name for p in models.iterdir()) == [smollm.path.name]  # nothing set aside is left
 
 
 def test_a_damaged_file_of_a_local_directory_is_one_error_naming_it(tmp_path, smollm):
