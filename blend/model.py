@@ -1,4 +1,4 @@
-"""Load a Llama-family checkpoint: the default SmolLM2 GGUF (dequantized once) or a local HF dir.
+"""Load a Llama-family checkpoint: the default SmolLM2 GGUF (dequantized once, again if damaged) or a local HF dir.
 
 Only weights, config and tokenizer are loaded; the forward pass is ours (`runner.py`). Each thing
 is keyed by what it depends on: a chunk's token ids by the tokenizer (`tokenizer_id`), its KV by
@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -19,6 +20,9 @@ from pathlib import Path
 import torch
 import xxhash
 
+from . import conversion
+
+log = logging.getLogger("blend.model")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never wait on a model hub
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -79,35 +83,82 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(spec: str | None, home: Path, device: str = "auto", dtype: str = "auto") -> Model:
-    """`spec` is None / "smollm2" for the bundled default, or a path to a local HF directory."""
-    path = default_model_dir(home) if spec in (None, "", DEFAULT_MODEL) else Path(spec).expanduser()
+    """`spec` is None / "smollm2" for the bundled default, or a path to a local HF directory.
+
+    A file that cannot be read is a ModelError naming it. The default's directory is ours: one with
+    such a file, or a file that differs from what its first load recorded (`conversion`), is set
+    aside and the GGUF converted again, once."""
+    dev = pick_device(device)
+    torch_dtype = pick_dtype(dtype, dev)  # a bad setting is no damage: refused before anything is read
+    if spec not in (None, "", DEFAULT_MODEL):
+        return _load_dir(Path(spec).expanduser(), dev, torch_dtype)
+    path = default_model_dir(home)
+    try:
+        return _load_dir(path, dev, torch_dtype, recorded=True)
+    except ModelError as e:
+        log.warning("%s: converting the bundled model again", e)
+        conversion.set_aside(path)
+        return _load_dir(default_model_dir(home), dev, torch_dtype, recorded=True)
+
+
+def _load_dir(path: Path, dev: torch.device, torch_dtype: torch.dtype, recorded: bool = False) -> Model:
+    """`recorded`: the directory is checked against its record (written after its first whole load)."""
     if not (path / "config.json").is_file():
         raise ModelError(f"no HF model at {path} (config.json missing): pass a local checkpoint directory")
+    if recorded and (problem := conversion.mismatch(path)):
+        raise ModelError(problem)
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
 
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config = _read(path / "config.json", lambda: AutoConfig.from_pretrained(path, local_files_only=True))
     check_architecture(config, str(path))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelError(f"no *.safetensors weights in {path}: save the checkpoint with safe_serialization")
-    dev = pick_device(device)
-    torch_dtype = pick_dtype(dtype, dev)
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(f))
+        state.update(_read(f, lambda f=f: load_file(f)))
     digest = _weights_digest(state)  # of the weights as stored, before any cast
+    if recorded and (problem := conversion.mismatch(path, digest)):
+        raise ModelError(problem)
     state = {k: v.to(dev, torch_dtype) for k, v in state.items()}
     if "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied embeddings
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise ModelError(f"no tokenizer in {path}: save the checkpoint's tokenizer beside its weights")
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = _read(path, lambda: AutoTokenizer.from_pretrained(path, local_files_only=True))
+    if recorded:
+        conversion.keep(path, digest)
     fp = fingerprint(config, tokenizer, state, weights_digest=digest)
     return Model(path.name, config, tokenizer, state, fp, path)
+
+
+def _read(where: Path, load):
+    """`load()`, its failure one line naming the file (for a directory: its first text file that does
+    not parse, the tokenizer's)."""
+    try:
+        return load()
+    except Exception as e:  # noqa: BLE001 — each library's own error for a file cut short or garbage
+        culprit = _unparsable(where) if where.is_dir() else where
+        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise ModelError(f"{culprit or where}: cannot be read ({type(e).__name__}: {why}): restore the file or "
+                         "save the checkpoint again") from None
+
+
+def _unparsable(path: Path) -> Path | None:
+    """The first of the directory's JSON and text files that is not UTF-8 JSON or text."""
+    for f in sorted(path.iterdir()):
+        if f.suffix in (".json", ".jinja", ".txt") and f.is_file():
+            try:
+                text = f.read_text()
+                if f.suffix == ".json":
+                    json.loads(text)
+            except (OSError, ValueError):
+                return f
+    return None
 
 
 def check_architecture(config, where: str) -> None:

@@ -89,7 +89,8 @@ def eval_config(args, settings):
 
 
 def evaluate(args, settings) -> int:
-    from .evaluation.evaluate import evaluate as run_eval, latest_dir, output_dir, table, write_results
+    from .evaluation.evaluate import evaluate as run_eval, table
+    from .evaluation.results import latest_dir, output_dir, write_results
     from .service import RagCache
 
     out = output_dir(args.out)  # a bad --out fails now, not after the run

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from .config import Settings
 from .errors import UserError
-from .evaluation.evaluate import EvalConfig, evaluate, latest_dir, load_dataset, output_dir, table, write_results
+from .evaluation.evaluate import EvalConfig, evaluate, load_dataset, table
+from .evaluation.results import latest_dir, output_dir, write_results
 from .jobs.precompute import run_precompute
 from .service import RagCache
 

@@ -1,7 +1,8 @@
 """Metadata in SQL (SQLAlchemy 2.0 typed ORM): SQLite file by default, PostgreSQL by URL.
 
 Tables: namespaces (per-tenant key salt), documents, chunks (a document's pieces and their
-precompute state), kv_entries (one stored chunk KV, shared by every chunk with the same key),
+precompute state; a changed document's new pieces `staged` beside the served ones until all are
+done, corpus/versions.py), kv_entries (one stored chunk KV, shared by every chunk with the same key),
 kv_copies and blob_stores (where each entry's blobs are: per host disk, per deployment Redis),
 pins (who pins which entry, within a quota), jobs (precompute runs), model_defaults (what
 `calibrate` chose), index_versions (bumped whenever
@@ -21,13 +22,13 @@ from datetime import datetime, timezone
 from typing import Iterator
 
 from sqlalchemy import (BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, LargeBinary, String, Text,
-                        create_engine, event, inspect, text, update)
+                        create_engine, event, false, inspect, select, text, update)
 from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from .errors import UserError
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 _SCHEMA_LOCK = 0x7261676361636865  # PostgreSQL advisory lock key ("ragcache") for schema changes
 _MIGRATIONS: dict[int, list[str]] = {  # version → DDL statements that bring version-1 up to it
     2: ["ALTER TABLE jobs ADD COLUMN error TEXT"],  # (index_versions is a new table: create_all makes it)
@@ -37,6 +38,10 @@ _MIGRATIONS: dict[int, list[str]] = {  # version → DDL statements that bring v
         "CREATE TABLE legacy_disk_copies AS SELECT key, bytes, checksum FROM kv_entries WHERE on_disk",
         *[f"ALTER TABLE kv_entries DROP COLUMN {c}" for c in ("on_disk", "in_redis", "bytes", "checksum")]],
     5: ["ALTER TABLE chunks ADD COLUMN heading TEXT", "ALTER TABLE chunks ADD COLUMN page INTEGER"],
+    6: ["ALTER TABLE documents ADD COLUMN staged_hash VARCHAR(64)", "ALTER TABLE documents ADD COLUMN staged_title TEXT",
+        "ALTER TABLE chunks ADD COLUMN staged BOOLEAN NOT NULL DEFAULT FALSE",  # a document's ordinals, once per
+        "DROP INDEX ux_chunks_doc_ordinal",  # version: the served one and the staged one
+        "CREATE UNIQUE INDEX ux_chunks_doc_staged_ordinal ON chunks (document_id, staged, ordinal)"],
 }
 
 
@@ -67,7 +72,9 @@ class Document(Base):
     namespace: Mapped[str] = mapped_column(String(128), index=True)
     external_id: Mapped[str] = mapped_column(String(512))
     title: Mapped[str] = mapped_column(Text, default="")
-    text_hash: Mapped[str] = mapped_column(String(64))
+    text_hash: Mapped[str] = mapped_column(String(64))  # of the version served
+    staged_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)  # of a version being precomputed
+    staged_title: Mapped[str | None] = mapped_column(Text, nullable=True)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     __table_args__ = (Index("ux_documents_ns_ext", "namespace", "external_id", unique=True),)
 
@@ -93,8 +100,9 @@ class Chunk(Base):
     lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # failed prefills so far
     retry_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)  # after a failure
+    staged: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())  # of the next version
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    __table_args__ = (Index("ux_chunks_doc_ordinal", "document_id", "ordinal", unique=True),)
+    __table_args__ = (Index("ux_chunks_doc_staged_ordinal", "document_id", "staged", "ordinal", unique=True),)
 
 
 class KVEntry(Base):
@@ -252,10 +260,13 @@ class Database:
 
 
 def _applied(s: Session, ddl: str) -> bool:
-    """True for a step already done: a column added or dropped, a table created."""
+    """True for a step already done: a column added or dropped, a table or an index created or dropped."""
     look = inspect(s.connection())
     if m := re.match(r"CREATE TABLE (\w+)", ddl):
         return look.has_table(m[1])
+    if m := re.match(r"(CREATE UNIQUE|DROP) INDEX (\w+)", ddl):
+        present = any(ix["name"] == m[2] for table in look.get_table_names() for ix in look.get_indexes(table))
+        return present == (m[1] != "DROP")
     m = re.match(r"ALTER TABLE (\w+) (ADD|DROP) COLUMN (\w+)", ddl)
     return bool(m) and (m[3] in {c["name"] for c in look.get_columns(m[1])}) == (m[2] == "ADD")
 
@@ -264,6 +275,11 @@ def in_batches(items, n: int = 900):
     """`items` in lists of at most `n`: an IN list under SQLite's variable limit (999 before 3.32)."""
     items = list(items)
     return (items[i:i + n] for i in range(0, len(items), n))
+
+
+def keys_in_use(s: Session, keys) -> set[str]:
+    """Those of `keys` some chunk still names (in batches: a replace may drop 100K chunks)."""
+    return {k for part in in_batches(set(keys)) for k in s.scalars(select(Chunk.kv_key).where(Chunk.kv_key.in_(part)))}
 
 
 def bump_index_versions(s: Session, namespaces) -> None:

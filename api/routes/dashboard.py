@@ -2,13 +2,13 @@
 recent requests and the latest `ragcache eval` run kept in the server's home."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse
 
-from ragcache.evaluation.evaluate import latest_dir
+from ragcache.errors import UserError
+from ragcache.evaluation.results import latest_dir, read_latest
 
 from ..auth import Caller, caller
 from ..deps import service
@@ -35,12 +35,14 @@ def _latest(request: Request) -> Path:
 @router.get("/v1/eval/latest")
 def eval_latest(request: Request, who: Caller = Depends(caller)):
     who.require_admin()  # every eval question and a path of this host: not a tenant's to read
-    path = _latest(request) / "results.json"
-    if not path.is_file():
+    try:
+        results = read_latest(service(request).settings.home)
+    except UserError as e:  # a damaged file: said, not a 500 on every poll of the dashboard
+        return {"available": False, "error": str(e)}
+    if results is None:
         return {"available": False}
     plot = (_latest(request) / "pareto.png").is_file()
-    return {"available": True, "results": json.loads(path.read_text()),
-            "plot_url": "/v1/eval/latest/pareto.png" if plot else None}
+    return {"available": True, "results": results, "plot_url": "/v1/eval/latest/pareto.png" if plot else None}
 
 
 @router.get("/v1/eval/latest/pareto.png", response_class=FileResponse)

@@ -90,7 +90,8 @@ async def add_documents(request: Request, namespace: NamespaceQuery = "default",
         except Conflict as e:  # the documents are in; only their precompute has to wait
             job_error = str(e)
     return {"namespace": namespace,
-            "documents": {"added": report.added, "unchanged": report.unchanged, "replaced": report.replaced},
+            "documents": {"added": report.added, "unchanged": report.unchanged, "replaced": report.replaced,
+                          "staged": report.staged},
             "chunks": {"added": report.chunks_added, "removed": report.chunks_removed}, "job": job,
             "job_error": job_error, "errors": errors}
 

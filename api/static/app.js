@@ -124,7 +124,7 @@ async function refreshEval() {
     if (key === evalKey) return;
     evalKey = key;
     body.hidden = !d.available;
-    panelMsg(panel, d.available ? "" : "No evaluation yet: run `ragcache eval`.");
+    panelMsg(panel, d.available ? "" : d.error || "No evaluation yet: run `ragcache eval`.");
     if (!d.available) { $("#eval-meta").textContent = ""; return; }
     renderEval(d);
     img.hidden = !(typeof d.plot_url === "string" && d.plot_url.startsWith("/"));   // same-origin only

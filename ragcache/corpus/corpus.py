@@ -13,12 +13,13 @@ import torch
 from sqlalchemy import delete, select
 
 from ..errors import NotFound, UserError
-from ..meta import Chunk, bump_index_versions
+from ..meta import Chunk, bump_index_versions, keys_in_use
 from ..meta import Document as DocRow
 from .chunking import Document
-from .ingest import IngestReport, corpus_counts, ingest_documents, keys_in_use, same_tokenizer
+from .ingest import IngestReport, corpus_counts, ingest_documents, same_tokenizer
 from .readers import read_documents
 from .retrieval import Retriever
+from .versions import lock_document
 
 
 @dataclass(frozen=True)
@@ -59,21 +60,23 @@ class Corpus:
         return report
 
     def document(self, namespace: str, external_id: str) -> dict:
+        """Its served chunks, and (`staged`) those of a changed version until they are precomputed."""
         with self.p.db.session() as s:
             doc = self._doc(s, namespace, external_id)
-            rows = s.execute(select(Chunk.id, Chunk.state, Chunk.n_tokens).where(Chunk.document_id == doc.id)
-                             .order_by(Chunk.ordinal)).all()
-            states: dict[str, int] = {}
-            for _, state, _ in rows:
-                states[state] = states.get(state, 0) + 1
-            return {"id": doc.external_id, "namespace": doc.namespace, "title": doc.title,
-                    "created": doc.created.isoformat(), "chunk_ids": [r[0] for r in rows],
-                    "tokens": sum(r[2] for r in rows), "chunks_by_state": states}
+            rows = s.execute(select(Chunk.id, Chunk.state, Chunk.n_tokens, Chunk.staged)
+                             .where(Chunk.document_id == doc.id).order_by(Chunk.ordinal)).all()
+        served, staged = _version([r for r in rows if not r.staged]), _version([r for r in rows if r.staged])
+        return {"id": doc.external_id, "namespace": doc.namespace, "title": doc.title,
+                "created": doc.created.isoformat(), **served,
+                "staged": {"title": doc.staged_title, **staged} if doc.staged_hash is not None else None}
 
     def delete_document(self, namespace: str, external_id: str) -> dict:
-        """Its chunks leave SQL, this process's index (others re-sync: the version moves) and the store."""
+        """Its chunks (served and staged) leave SQL, this process's index (others re-sync: the version
+        moves) and the store."""
         with self.p.db.session() as s:
             doc = self._doc(s, namespace, external_id)
+            if not lock_document(s, doc.id):  # an ingest, a swap or a delete of it under way finishes first
+                raise NotFound(f"no document {external_id!r} in namespace {namespace!r}")
             chunks = s.execute(select(Chunk.id, Chunk.kv_key).where(Chunk.document_id == doc.id)).all()
             s.execute(delete(Chunk).where(Chunk.document_id == doc.id))
             s.delete(doc)
@@ -137,7 +140,7 @@ class Corpus:
             q = select(Chunk.id, DocRow.external_id, Chunk.token_ids).join(DocRow, DocRow.id == Chunk.document_id)
             if doc_id is not None:
                 self._doc(s, namespace, doc_id)
-                q = q.where(DocRow.namespace == namespace, DocRow.external_id == doc_id)
+                q = q.where(DocRow.namespace == namespace, DocRow.external_id == doc_id, Chunk.staged.is_(False))
             else:
                 q = q.where(Chunk.namespace == namespace, Chunk.id.in_(chunk_ids))
             rows = s.execute(q.order_by(Chunk.id)).all()
@@ -146,6 +149,14 @@ class Corpus:
             if unknown:
                 raise NotFound(f"no chunk {unknown[0]} in namespace {namespace!r}")
         return rows
+
+
+def _version(rows) -> dict:
+    """chunk ids (in order), tokens and chunks by state of one version of a document."""
+    states: dict[str, int] = {}
+    for r in rows:
+        states[r.state] = states.get(r.state, 0) + 1
+    return {"chunk_ids": [r.id for r in rows], "tokens": sum(r.n_tokens for r in rows), "chunks_by_state": states}
 
 
 def check_query(query: str) -> None:

@@ -1,7 +1,9 @@
-"""Documents into SQL: new ones added, unchanged ones left alone, changed ones replaced.
+"""Documents into SQL: new ones added, unchanged ones left alone, changed ones replaced or staged.
 
-Replacing a document removes its old chunks' rows, their index vectors and the KV entries
-no other chunk still uses.
+A changed document whose served chunks are retrievable keeps them: its new chunks are staged until
+they are precomputed (`versions`); a staged version not yet swapped in is replaced by the next change.
+Otherwise replacing removes the old chunks' rows, their index vectors and the KV entries no other
+chunk still uses.
 """
 from __future__ import annotations
 
@@ -13,9 +15,10 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from ..meta import Chunk, Database, bump_index_versions, in_batches
+from ..meta import Chunk, Database, bump_index_versions, keys_in_use
 from ..meta import Document as DocRow
 from .chunking import Document, chunk_document
+from .versions import lock_document, serves
 
 
 @dataclass
@@ -23,6 +26,7 @@ class IngestReport:
     added: int = 0
     unchanged: int = 0
     replaced: int = 0
+    staged: int = 0  # of the replaced, those served as before until their new chunks are precomputed
     chunks_added: int = 0
     chunks_removed: int = 0
     removed_chunk_ids: list[int] = field(default_factory=list)
@@ -30,7 +34,8 @@ class IngestReport:
     errors: list[str] = field(default_factory=list)  # "file: why", one per file that could not be read
 
     def line(self) -> str:
-        return (f"documents: added={self.added} unchanged={self.unchanged} replaced={self.replaced}; "
+        return (f"documents: added={self.added} unchanged={self.unchanged} replaced={self.replaced}"
+                + (f" (staged={self.staged})" if self.staged else "") + "; "
                 f"chunks: added={self.chunks_added} removed={self.chunks_removed}"
                 + (f"; files not read: {len(self.errors)}" if self.errors else ""))
 
@@ -58,9 +63,10 @@ def ingest_documents(db: Database, tokenizer, tokenizer_ids: list[str], docs: li
     with db.session() as s:
         existing, foreign = _existing(s, namespace, tokenizer_ids)
         for doc in docs:
-            row = _document_row(s, existing, foreign, namespace, doc, tokenizer_ids, report)
-            if row is None:
+            found = _document_row(s, existing, foreign, namespace, doc, tokenizer_ids, report)
+            if found is None:
                 continue
+            row, staged = found
             specs = chunked.get((doc.external_id, doc.text_hash))
             if specs is None:  # changed by another process between the two looks: chunked here (rare)
                 specs = chunked[doc.external_id, doc.text_hash] = chunk_document(tokenizer, doc, max_tokens)
@@ -68,7 +74,7 @@ def ingest_documents(db: Database, tokenizer, tokenizer_ids: list[str], docs: li
             for spec in specs:
                 s.add(Chunk(document_id=row.id, namespace=namespace, ordinal=spec.ordinal, text=spec.text,
                             heading=spec.heading or None, page=spec.page, n_tokens=len(spec.token_ids),
-                            token_ids=pack_ids(spec.token_ids), model=tokenizer_ids[0]))
+                            token_ids=pack_ids(spec.token_ids), model=tokenizer_ids[0], staged=staged))
                 report.chunks_added += 1
         s.flush()
         if report.removed_chunk_ids:
@@ -90,12 +96,14 @@ def _existing(s: Session, namespace: str, tokenizer_ids: list[str]) -> tuple[dic
 
 
 def _is_unchanged(row: DocRow | None, doc: Document, foreign: set[int]) -> bool:
-    return row is not None and row.text_hash == doc.text_hash and row.id not in foreign
+    """Nothing to do: the text is the one staged, or (nothing staged) the one served, by this tokenizer."""
+    return row is not None and row.id not in foreign and (row.staged_hash or row.text_hash) == doc.text_hash
 
 
 def _document_row(s: Session, existing: dict[str, DocRow], foreign: set[int], namespace: str, doc: Document,
-                  tokenizer_ids: list[str], report: IngestReport) -> DocRow | None:
-    """`doc`'s row, added or emptied of its old chunks for new ones; None when it is unchanged."""
+                  tokenizer_ids: list[str], report: IngestReport) -> tuple[DocRow, bool] | None:
+    """`doc`'s row and whether its new chunks are staged: added, emptied of its old chunks, or (its
+    served chunks retrievable) emptied of a staged version only; None when there is nothing to add."""
     row = existing.get(doc.external_id)
     if row is None:
         try:
@@ -105,7 +113,7 @@ def _document_row(s: Session, existing: dict[str, DocRow], foreign: set[int], na
                 s.add(row)
             existing[doc.external_id] = row
             report.added += 1
-            return row
+            return row, False
         except IntegrityError:  # the same new id, just added by a concurrent ingest: theirs is replaced
             row = existing[doc.external_id] = s.scalars(select(DocRow).where(
                 DocRow.namespace == namespace, DocRow.external_id == doc.external_id)).one()
@@ -114,21 +122,26 @@ def _document_row(s: Session, existing: dict[str, DocRow], foreign: set[int], na
     if _is_unchanged(row, doc, foreign):
         report.unchanged += 1
         return None
-    s.refresh(row, with_for_update=True)  # a concurrent replace of the same document finishes first
-    old = list(s.scalars(select(Chunk).where(Chunk.document_id == row.id)))
+    lock_document(s, row.id)  # a concurrent replace, swap or delete of the same document finishes first
+    s.refresh(row)
+    staging = row.id not in foreign and serves(s, row.id)  # another tokenizer's chunks serve nothing here
+    gone = [Chunk.document_id == row.id, *([Chunk.staged] if staging else [])]
+    old = list(s.scalars(select(Chunk).where(*gone)))
     report.removed_chunk_ids += [c.id for c in old]
     report.orphan_kv_keys += [c.kv_key for c in old if c.kv_key]
     report.chunks_removed += len(old)
-    s.execute(delete(Chunk).where(Chunk.document_id == row.id))
+    s.execute(delete(Chunk).where(*gone))
     foreign.discard(row.id)
-    row.title, row.text_hash = doc.title, doc.text_hash
     report.replaced += 1
-    return row
-
-
-def keys_in_use(s: Session, keys) -> set[str]:
-    """Those of `keys` some chunk still names (in batches: a replace may drop 100K chunks)."""
-    return {k for part in in_batches(set(keys)) for k in s.scalars(select(Chunk.kv_key).where(Chunk.kv_key.in_(part)))}
+    if not staging:
+        row.title, row.text_hash, row.staged_hash, row.staged_title = doc.title, doc.text_hash, None, None
+        return row, False
+    if doc.text_hash == row.text_hash:  # back to the text served: the staged version goes, nothing is added
+        row.staged_hash = row.staged_title = None
+        return None
+    row.staged_hash, row.staged_title = doc.text_hash, doc.title
+    report.staged += 1
+    return row, True
 
 
 def pack_ids(token_ids) -> bytes:

@@ -39,7 +39,7 @@ class Retriever:
             self.sync(namespace, stale)
 
     def sync(self, namespace: str, kinds=None) -> int:
-        """Make the indexes hold exactly the namespace's done chunks (FAISS, and BM25 once loaded);
+        """Make the indexes hold exactly the namespace's served done chunks (FAISS, and BM25 once loaded);
         returns the changes."""
         if kinds is None:
             kinds = ("dense", "bm25") if self.p.loaded("lexical") else ("dense",)
@@ -47,8 +47,9 @@ class Retriever:
         with self._lock:
             version = db.index_version(namespace)  # read first: a change after it re-syncs next time
             with db.session() as s:
-                want = set(s.scalars(select(Chunk.id).where(Chunk.namespace == namespace, Chunk.state == "done",
-                                                            Chunk.embedding.is_not(None))))
+                want = set(s.scalars(select(Chunk.id).where(  # staged chunks wait for their swap
+                    Chunk.namespace == namespace, Chunk.state == "done", Chunk.staged.is_(False),
+                    Chunk.embedding.is_not(None))))
             for kind, index in self._indexes(kinds).items():
                 have = index.ids(namespace)
                 extra, missing = np.asarray(sorted(have - want), dtype=np.int64), sorted(want - have)

@@ -1,7 +1,8 @@
 """evaluation: quality against latency, offline.
 
 `evaluate` runs every mode against full prefill on a MuSiQue-format file (fidelity, gold F1, TTFT); `scores`
-holds the metrics (F1, KL), `plot` the Pareto plot, `calibrate` stores the fastest mode within a KL target.
+holds the metrics (F1, KL), `plot` the Pareto plot, `results` where a run's results go (and reads the home's
+latest back), `calibrate` stores the fastest mode within a KL target.
 
 May import: config, errors, meta, store, corpus (and blend, index).
 """

@@ -10,7 +10,6 @@ tokens recomputed on the last layer, and `work_fraction`, linear-layer work over
 """
 from __future__ import annotations
 
-import csv
 import json
 import statistics
 import tempfile
@@ -36,8 +35,6 @@ from ..store.memory import MemoryTier
 from .retrieve import retriever
 from .scores import best_f1, f1, kl
 
-METRICS = ("ttft_s_median", "speedup_vs_full", "f1_gold", "f1_vs_full", "top1_agree", "kl_first", "kl_tf",
-           "recompute_fraction", "work_fraction")
 
 
 @dataclass
@@ -239,37 +236,6 @@ def _aggregate(rows: list[dict], labels: list[str]) -> dict:
                       "kl_first": mean("kl_first"), "kl_tf": mean("kl_tf"),
                       "recompute_fraction": mean("recompute_fraction"), "work_fraction": mean("work_fraction")}
     return out
-
-
-def output_dir(path: str | Path) -> Path:
-    """The results folder, made now: a bad one fails before the run, not after it."""
-    out = Path(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot write results to {out}: {e.strerror}") from None
-    return out
-
-
-def latest_dir(home: Path) -> Path:
-    """Where every run also leaves its results: what a server's dashboard shows."""
-    return home / "eval" / "latest"
-
-
-def write_results(results: dict, out: Path) -> None:
-    """results.json, results.csv, pareto.png into `out`."""
-    from .plot import pareto
-
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".results.json.tmp"
-    tmp.write_text(json.dumps(results, indent=1))
-    tmp.replace(out / "results.json")  # a reader (the dashboard) never sees half a file
-    with open(out / "results.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["mode", *METRICS])
-        for label, m in results["modes"].items():
-            w.writerow([label, *(f"{m[k]:.6g}" for k in METRICS)])
-    pareto(results, out / "pareto.png")
 
 
 def table(results: dict) -> str:

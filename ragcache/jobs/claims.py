@@ -20,8 +20,7 @@ from datetime import datetime, timedelta
 import numpy as np
 from sqlalchemy import func, or_, select, update
 
-from ..corpus.ingest import keys_in_use
-from ..meta import Chunk, Database, Job, bump_index_versions, in_batches, utcnow
+from ..meta import Chunk, Database, Job, bump_index_versions, in_batches, keys_in_use, utcnow
 
 log = logging.getLogger("ragcache.precompute")
 
@@ -71,18 +70,18 @@ def next_wake(db: Database, namespace: str | None) -> float | None:
 def commit(db: Database, job_id: int, worker: str, done, vectors, failed, attempts: int,
            backoff_s: float) -> int:
     """Chunk states and the job's counters in one transaction, for chunks this worker still holds;
-    the namespaces that gained retrievable chunks move their index version. Rows are updated in id
-    order (the heartbeat skips locked rows): no deadlock. Returns how many chunks ended (done or failed)."""
+    the namespaces that gained retrievable chunks (staged ones wait for their swap) move their index
+    version. Rows are updated in id order (the heartbeat skips locked rows): no deadlock. Returns how
+    many chunks ended (done or failed)."""
     with db.session() as s:
-        ok, grown = 0, set()
-        for (cid, ns, key, _, _), vec in sorted(zip(done, vectors), key=lambda d: d[0][0]):
+        ok = []
+        for (cid, _, key, _, _), vec in sorted(zip(done, vectors), key=lambda d: d[0][0]):
             n = s.execute(update(Chunk).where(Chunk.id == cid, Chunk.state == "running", Chunk.claimed_by == worker)
                           .values(state="done", kv_key=key, embedding=vec.astype(np.float32).tobytes(),
                                   error=None, lease_until=None, retry_at=None)).rowcount
-            ok += n
-            if n:
-                grown.add(ns)
-        bump_index_versions(s, grown)
+            ok += [cid] * n
+        bump_index_versions(s, {ns for part in in_batches(ok) for ns in s.scalars(
+            select(Chunk.namespace).where(Chunk.id.in_(part), Chunk.staged.is_(False)))})
         bad, now = 0, db_now(s, db)
         for cid, err in sorted(failed):
             row = s.get(Chunk, cid, with_for_update=True)
@@ -96,17 +95,19 @@ def commit(db: Database, job_id: int, worker: str, done, vectors, failed, attemp
                 row.state = "failed"
                 bad += 1
         s.execute(update(Job).where(Job.id == job_id).values(
-            done=Job.done + ok, failed=Job.failed + bad, tokens=Job.tokens + sum(n for *_, n in done)))
-        return ok + bad
+            done=Job.done + len(ok), failed=Job.failed + bad, tokens=Job.tokens + sum(n for *_, n in done)))
+        return len(ok) + bad
 
 
 def orphaned(db: Database, done) -> set[str]:
     """Keys of `done` chunks deleted while they were computed (their document removed or replaced)
-    that no chunk names: blobs stored for nothing, for the caller to delete."""
+    that no chunk names: blobs stored for nothing, for the caller to delete. A chunk is alive by its
+    id and its text: SQLite gives a deleted chunk's id to the next chunk added."""
     with db.session() as s:
         ids = [d[0] for d in done]
-        alive = {i for part in in_batches(ids) for i in s.scalars(select(Chunk.id).where(Chunk.id.in_(part)))}
-        keys = {key for cid, _, key, *_ in done if cid not in alive}
+        alive = {tuple(r) for part in in_batches(ids) for r in s.execute(
+            select(Chunk.id, Chunk.namespace, Chunk.text).where(Chunk.id.in_(part)))}
+        keys = {key for cid, ns, key, text, _ in done if (cid, ns, text) not in alive}
         return keys - keys_in_use(s, keys) if keys else set()
 
 

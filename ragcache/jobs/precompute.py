@@ -7,7 +7,9 @@ counter commit together, and only for the worker that holds the claim), and prog
 readable by anyone. Workers claim small batches: on PostgreSQL with SELECT … FOR UPDATE SKIP
 LOCKED, so processes on several machines share a job; on SQLite one worker at a time (a file
 lock), and a second one is told so. Embeddings are written to the chunk rows; the FAISS index
-is brought in line with SQL when the job ends (and at every service start). A chunk whose KV no
+is brought in line with SQL when the job ends (and at every service start). A changed document's
+staged version is swapped in once its last chunk is done (`corpus.versions`): after the batch that
+finishes it, or at the end of the run that resumes one killed before its swap. A chunk whose KV no
 tier has room for (every one full of pinned entries) is done all the same: embedded and retrievable,
 its KV computed when used, as if evicted at once; a full tier is not the chunk's failure.
 """
@@ -29,6 +31,7 @@ from sqlalchemy import select
 from ..config import Settings
 from ..corpus.corpus import Corpus
 from ..corpus.ingest import unpack_ids
+from ..corpus.versions import swap_ready
 from ..errors import UserError
 from ..meta import Chunk, Database
 from ..parts import Parts
@@ -94,6 +97,8 @@ def run_precompute(settings: Settings, workers: int = 1, namespace: str | None =
                           count_chunks(db, namespace, "failed", by=run),
                           skipped)
         finish_job_if_empty(db, job_id, namespace)
+        for key in swap_ready(db, namespace).orphan_kv_keys:  # versions a killed run finished but did not swap
+            parts.store.delete(key)
         for ns in _namespaces(db, namespace):
             corpus.sync_index(ns)
         if namespace is None:
@@ -164,6 +169,8 @@ def _work(parts: Parts, job_id: int, namespace: str | None, worker: str, on_batc
                                   cfg.retry_backoff_s)
             for key in claims.orphaned(db, done):
                 parts.store.delete(key)  # its chunk was deleted meanwhile: no blob without a chunk
+            for key in swap_ready(db, chunk_ids=[d[0] for d in done]).orphan_kv_keys:
+                parts.store.delete(key)  # an old version's, retired by the swap this batch made ready
             heartbeat.beat()
             if on_batch:
                 on_batch(ended)

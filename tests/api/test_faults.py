@@ -3,6 +3,7 @@ answers 429, an oversize body 413."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import shutil
 import subprocess
 import time
@@ -84,3 +85,20 @@ def test_full_queue_is_429_and_large_body_413(fresh_server):
     assert int(busy.headers["retry-after"]) >= 1 and "RAGCACHE_MAX_QUEUE" in busy.json()["error"]["message"]
     big = httpx.post(f"{s.url}/v1/documents", content=b"x" * 5000, headers={"content-type": "application/json"})
     assert big.status_code == 413 and "RAGCACHE_MAX_BODY_BYTES" in big.json()["error"]["message"]
+
+
+def test_a_damaged_latest_eval_file_is_named_not_a_500(api_server):
+    latest = api_server.home / "eval" / "latest"
+    latest.mkdir(parents=True, exist_ok=True)
+    path = latest / "results.json"
+    try:
+        with api_server.client() as c:
+            for damage in (b'{"modes": {"full": {"ttft_s_med', b"\x00\xff garbage", b"[1, 2]"):  # cut, garbage, no run's
+                path.write_bytes(damage)
+                r = c.get("/v1/eval/latest")
+                assert r.status_code == 200 and r.json()["available"] is False, r.text
+                assert str(path) in r.json()["error"] and "ragcache eval" in r.json()["error"], r.text
+            path.write_text(json.dumps({"modes": {}}))  # the next run's results: shown again
+            assert c.get("/v1/eval/latest").json()["available"] is True
+    finally:
+        path.unlink(missing_ok=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -62,3 +63,42 @@ def test_bias_weights_the_runner_would_ignore_are_refused(shape, flag):
     setattr(hf.config, flag, True)  # the weights would be there; the runner has no place for them
     with pytest.raises(ModelError, match="attention_bias / mlp_bias"):
         Model.from_hf(hf, name=shape)
+
+
+def _cut(path, at=None) -> None:
+    """Replace `path` by its first `at` bytes (half by default): a new file, never the original's inode."""
+    data = path.read_bytes()
+    path.unlink()
+    path.write_bytes(data[: len(data) // 2 if at is None else at])
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "chat_template.jinja"])  # unreadable; still parses
+def test_a_damaged_conversion_of_the_default_model_is_converted_again(tmp_path, smollm, damaged):
+    models = tmp_path / "models"
+    shutil.copytree(smollm.path, models / smollm.path.name)  # a home of its own: the shared cache stays whole
+    conversion = models / smollm.path.name
+    load_model(None, tmp_path, device="cpu", dtype="float32")  # its record (of what a conversion wrote), if none
+    original = (conversion / damaged).read_bytes()
+    _cut(conversion / damaged)
+    again = load_model(None, tmp_path, device="cpu", dtype="float32")
+    assert again.fingerprint == smollm.fingerprint and (conversion / damaged).read_bytes() == original
+    assert sorted(p.name for p in models.iterdir()) == [smollm.path.name]  # nothing set aside is left
+
+
+def test_a_damaged_file_of_a_local_directory_is_one_error_naming_it(tmp_path, smollm):
+    hf = tiny_hf_model("qwen2")
+    hf.save_pretrained(tmp_path / "ckpt")
+    smollm.tokenizer.save_pretrained(tmp_path / "ckpt")
+    for name, damage in (("tokenizer_config.json", b"\x00\xff garbage"), ("config.json", b'{"model_type": "qw'),
+                         ("model.safetensors", None)):
+        path = tmp_path / "ckpt" / name
+        original = path.read_bytes()
+        if damage is None:
+            _cut(path)
+        else:
+            path.write_bytes(damage)
+        with pytest.raises(ModelError) as err:
+            load_model(str(tmp_path / "ckpt"), tmp_path, device="cpu")
+        assert str(err.value).startswith(f"{path}: cannot be read") and "\n" not in str(err.value), err.value
+        path.write_bytes(original)  # yours to mend: a local directory is never rewritten
+    assert load_model(str(tmp_path / "ckpt"), tmp_path, device="cpu").config.model_type == "qwen2"

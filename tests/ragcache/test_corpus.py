@@ -12,6 +12,7 @@ from ragcache.corpus.chunking import SEPARATOR, Document, chunk_document
 from ragcache.corpus.readers import read_documents
 from ragcache.errors import UserError
 from ragcache.corpus.ingest import ingest_documents
+from ragcache.corpus.versions import swap_ready
 from ragcache.meta import SCHEMA_VERSION, Chunk, Database, SchemaInfo
 from ragcache.meta import Document as DocRow
 
@@ -73,10 +74,19 @@ def test_reingest_is_idempotent_and_a_changed_document_is_replaced(db, smollm):
         assert {(c.document_id, c.ordinal): c.id for c in s.scalars(select(Chunk))} == before
         s.execute(Chunk.__table__.update().where(Chunk.text.like("Short%")).values(state="done", kv_key="k-b"))
     changed = ingest_documents(db, tok, ["fp"], [docs[0], Document("b", "", "Short text about Rome.")], "ns", 64)
-    assert (changed.replaced, changed.unchanged) == (1, 1) and changed.orphan_kv_keys == ["k-b"]
+    assert (changed.replaced, changed.staged, changed.unchanged) == (1, 1, 1) and changed.orphan_kv_keys == []
+    with db.session() as s:  # b's done chunk is served until its successor is done too
+        assert {c.text: c.staged for c in s.scalars(select(Chunk).where(Chunk.text.like("Short%")))} == \
+            {"Short text about Paris.": False, "Short text about Rome.": True}
+        s.execute(Chunk.__table__.update().where(Chunk.staged).values(state="done", kv_key="k-rome"))
+    swapped = swap_ready(db, "ns")
+    assert swapped.documents == 1 and swapped.orphan_kv_keys == ["k-b"]
     with db.session() as s:
-        texts = [c.text for c in s.scalars(select(Chunk).where(Chunk.text.like("Short%")))]
-        assert texts == ["Short text about Rome."]
+        texts = [(c.text, c.staged) for c in s.scalars(select(Chunk).where(Chunk.text.like("Short%")))]
+        assert texts == [("Short text about Rome.", False)]
+    pending = ingest_documents(db, tok, ["fp"], [Document("a", "", LONG + " More.")], "ns", 64)
+    assert (pending.replaced, pending.staged) == (1, 0)  # nothing of it was retrievable: replaced at once
+    assert pending.chunks_removed == first.chunks_added - 1 and len(pending.removed_chunk_ids) == pending.chunks_removed
     other_ns = ingest_documents(db, tok, ["fp"], docs, "ns2", 64)
     assert other_ns.added == 2  # namespaces never share documents
     retokenized = ingest_documents(db, tok, ["another tokenizer"], docs, "ns2", 64)
@@ -136,6 +146,29 @@ def test_a_schema_4_database_gains_heading_and_page_and_keeps_its_chunks(db_url)
         assert s.get(SchemaInfo, 1).version == SCHEMA_VERSION
         [chunk] = s.scalars(select(Chunk)).all()
         assert (chunk.text, chunk.heading, chunk.page) == ("old text", None, None)
+    db.dispose()
+
+
+def test_a_schema_5_database_gains_staged_versions_and_keeps_serving_its_chunks(db_url, smollm):
+    from sqlalchemy import text
+
+    db = Database(db_url)
+    ingest_documents(db, smollm.tokenizer, ["fp"], [Document("d", "", "Old text.")], "ns", 64)
+    with db.session() as s:  # back to schema 5: one version per document, unique by ordinal
+        s.execute(text("DROP INDEX ux_chunks_doc_staged_ordinal"))
+        s.execute(text("ALTER TABLE chunks DROP COLUMN staged"))
+        s.execute(text("CREATE UNIQUE INDEX ux_chunks_doc_ordinal ON chunks (document_id, ordinal)"))
+        for column in ("staged_hash", "staged_title"):
+            s.execute(text(f"ALTER TABLE documents DROP COLUMN {column}"))
+        s.execute(text("UPDATE chunks SET state = 'done'"))
+        s.execute(update(SchemaInfo).values(version=5))
+    db.dispose()
+    db = Database(db_url)
+    with db.session() as s:
+        assert s.get(SchemaInfo, 1).version == SCHEMA_VERSION
+        assert [(c.text, c.staged) for c in s.scalars(select(Chunk))] == [("Old text.", False)]
+    report = ingest_documents(db, smollm.tokenizer, ["fp"], [Document("d", "", "New text.")], "ns", 64)
+    assert report.staged == 1  # ordinal 0 twice: once served, once staged
     db.dispose()
 
 
@@ -224,7 +257,7 @@ def test_the_same_new_document_ingested_by_two_connections_at_once_is_one_docume
         drop()
 
 
-def test_replacing_a_document_of_40k_done_chunks_stays_under_sqlites_variable_limit(tmp_path, smollm):
+def test_swapping_out_a_document_of_40k_done_chunks_stays_under_sqlites_variable_limit(tmp_path, smollm):
     db = Database(f"sqlite:///{tmp_path / 'meta.db'}")
     limit = lambda conn, _: conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 32766)  # noqa: E731 — a stock
     event.listen(db.engine, "connect", limit)  # build's limit (Debian's is 250,000)
@@ -236,5 +269,9 @@ def test_replacing_a_document_of_40k_done_chunks_stays_under_sqlites_variable_li
                                                   token_ids=b"\0\0\0\0", model="fp", kv_key=f"k{i}", state="done")
                                              for i in range(40_000)])
     report = ingest_documents(db, smollm.tokenizer, ["fp"], [Document("big", "", "Changed.")], "ns", 64)
-    assert report.replaced == 1 and report.chunks_removed == 40_001 and len(report.orphan_kv_keys) == 40_000
+    assert report.staged == 1 and report.chunks_removed == 0  # served until "Changed." is done
+    with db.session() as s:
+        s.execute(Chunk.__table__.update().where(Chunk.staged).values(state="done", kv_key="new"))
+    swapped = swap_ready(db, "ns")
+    assert len(swapped.chunk_ids) == 40_001 and len(swapped.orphan_kv_keys) == 40_000
     db.dispose()

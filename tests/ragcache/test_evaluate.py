@@ -12,7 +12,8 @@ import pytest
 from blend import A3, BlendQ, Epic, Full, Probe
 from blend.reweight import Reweight, Reweighted
 from ragcache.config import Settings
-from ragcache.evaluation.evaluate import METRICS, EvalConfig, load_dataset, policies
+from ragcache.evaluation.evaluate import EvalConfig, load_dataset, policies
+from ragcache.evaluation.results import METRICS
 from ragcache.errors import UserError
 
 DEMO = Path(__file__).resolve().parents[2] / "demo" / "data" / "musique_demo.json"
