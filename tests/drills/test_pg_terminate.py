@@ -1,7 +1,11 @@
 """Drill: PostgreSQL's backends terminated under a server while 8 clients generate, then the database
 refusing connections for a while. Pooled connections that died are replaced (pre-ping) so every later
 request answers 200; only a request in flight at that moment may fail, and then as a JSON 503; a database
-that cannot be reached is a 503 naming it, with Retry-After, until it is back."""
+that cannot be reached is a 503 naming it, with Retry-After, until it is back.
+
+The backends are terminated twice: with all 8 clients in flight, and with the clients paused between
+requests, so that every connection in the pool is dead when the next request takes one (without pre-ping
+that request fails: what makes this drill fail)."""
 from __future__ import annotations
 
 import threading
@@ -46,24 +50,42 @@ def test_backends_terminated_under_8_clients_then_a_lost_database_is_503(shared_
         assert _wait_job(c, r.json()["job"]["id"])["state"] == "finished"
     ask = {"query": docs[0]["text"], "namespace": NS, "top_k": 2, "mode": "reuse", "max_tokens": 8}
 
-    answers, stop = [[] for _ in range(CLIENTS)], threading.Event()
+    answers, stop, go, lock, busy = [[] for _ in range(CLIENTS)], threading.Event(), threading.Event(), \
+        threading.Lock(), [0]
 
     def client(mine: list) -> None:
         with s.client() as c:
-            while not stop.is_set():
+            while go.wait() and not stop.is_set():
+                with lock:  # a paused client starts nothing: `busy` counts what is in flight
+                    if not go.is_set():
+                        continue
+                    busy[0] += 1
                 t0 = time.monotonic()
                 r = c.post("/v1/rag/generate", json=ask)
                 mine.append((t0, time.monotonic(), r))
+                with lock:
+                    busy[0] -= 1
+
+    def one_more_each(since: float) -> None:
+        wait_for(lambda: all(any(t0 > since for t0, _, _ in mine) for mine in answers), 180,
+                 "an answer to every client")
 
     threads = [threading.Thread(target=client, args=(mine,), daemon=True) for mine in answers]
     for t in threads:
         t.start()
-    wait_for(lambda: all(answers), 120, "every client's first answer")
-    cut = time.monotonic()
+    go.set()
+    one_more_each(0)
+    cut = time.monotonic()  # 1. while all 8 are in flight
     assert _terminate(name) >= 1, "the server held no connection to terminate"
     after = time.monotonic()
-    wait_for(lambda: all(any(t0 > after for t0, _, _ in mine) for mine in answers), 180,
-             "an answer to every client after the terminations")
+    one_more_each(after)
+    with lock:  # 2. between requests: every pooled connection is dead when the next request takes one
+        go.clear()
+    wait_for(lambda: busy[0] == 0, 120, "the clients paused")
+    assert _terminate(name) >= 1
+    paused = time.monotonic()
+    go.set()
+    one_more_each(paused)
     stop.set()
     for t in threads:
         t.join(120)
