@@ -2,8 +2,9 @@
 
     ragcache serve --host 127.0.0.1 --port 8000      (uvicorn, see ragcache/cli.py)
 
-At start the model thread loads every part (/health answers at once, /ready once loaded); at
-shutdown it stops, precompute children are terminated (their jobs resume), the store flushes.
+At start the side worker loads every part (/health answers at once, /ready once loaded) and resumes the
+jobs a killed server left running; at shutdown the model thread stops, precompute children are terminated
+(their jobs resume when started again), the store flushes.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.service, app.state.scheduler = service, scheduler
         app.state.metrics = Metrics(service, scheduler)
         app.state.warm_error = None
-        scheduler.submit(lambda _t: service.warm(None), lambda kind, e: _warmed(app, kind, e))
+        scheduler.submit(lambda _t: _start(service), lambda kind, e: _warmed(app, kind, e))
         try:
             yield
         finally:
@@ -50,6 +51,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=dashboard.STATIC), name="static")
     return app
+
+
+def _start(service: RagCache) -> None:
+    """Every part loaded, then the jobs a server on this home left running resumed: after the store's start
+    swept the puts they cut off, and with no child loading a model beside the warm-up."""
+    service.warm(None)
+    service.jobs.resume()
 
 
 def _warmed(app: FastAPI, kind: str, payload) -> None:

@@ -1,8 +1,9 @@
 """Every error is JSON: {"error": {"message", "type", "param"}} (the OpenAI shape), never a traceback.
 
 ragcache's errors map to statuses here, in one place: UserError 400 (503 when it is the
-environment's fault), NotFound 404, Conflict 409, Busy 429 with Retry-After; validation 422
-naming the field; unknown routes 404; anything unexpected 500 with a generic message (logged).
+environment's fault), NotFound 404, Conflict 409, Busy 429 with Retry-After, a database that cannot be
+reached (or dropped the connection mid-query) 503 with Retry-After; validation 422 naming the field;
+unknown routes 404; anything unexpected 500 with a generic message (logged).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ragcache.errors import Busy, Conflict, NotFound, UserError
@@ -22,6 +23,7 @@ from .streaming import ClientGone
 
 log = logging.getLogger("ragcache.api")
 
+DATABASE_RETRY_S = 5  # Retry-After while the database is unreachable: a restart or a failover, not a queue
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
           409: "conflict_error", 413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
           503: "service_unavailable"}
@@ -32,7 +34,8 @@ def documented(*codes: int) -> dict:
     words = {400: "bad input (the message says what)", 401: "no key, or an unknown one", 403: "outside this key's "
              "namespaces, or an admin route", 404: "an unknown id, or a namespace with nothing precomputed",
              409: "collides with work under way", 413: "body over RAGCACHE_MAX_BODY_BYTES",
-             422: "a field fails validation (named in param)", 429: "queue full: see Retry-After"}
+             422: "a field fails validation (named in param)", 429: "queue full: see Retry-After",
+             503: "the database is unavailable: see Retry-After"}
     return {c: {"model": ErrorBody, "description": words[c]} for c in codes}
 
 
@@ -75,6 +78,10 @@ def from_exception(e: Exception) -> ApiError:
         return ApiError(409, str(e))
     if isinstance(e, UserError):
         return ApiError(400 if e.usage else 503, str(e))
+    if isinstance(e, OperationalError):  # the database is down, restarting, or cut this connection
+        log.warning("database unavailable: %s", str(e.orig).splitlines()[0] if e.orig else e)
+        return ApiError(503, "the database is unavailable (RAGCACHE_DATABASE_URL); the request was not served, "
+                             f"retry in {DATABASE_RETRY_S} s", headers={"Retry-After": str(DATABASE_RETRY_S)})
     if isinstance(e, DataError):  # a value the schema let through but SQL cannot store: still the input's fault
         return ApiError(422, "a value in the request cannot be stored (too long, or holding a NUL character)")
     log.error("unexpected error", exc_info=e)

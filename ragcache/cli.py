@@ -138,6 +138,8 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     pc.add_argument("--namespace", default=None, help="only this namespace (default: all)")
     pc.add_argument("--quiet", action="store_true", help="no progress bar")
     pc.add_argument("--job", type=_positive, default=None, help="work on this job row (made by `serve`)")
+    pc.add_argument("--lifeline", action="store_true", help="exit when stdin closes (`serve` starts its jobs so: "
+                                                           "they end with the server)")
     pc.add_argument("--retry-failed", action="store_true", help="give failed chunks a fresh set of attempts")
     pc.set_defaults(func=commands.precompute)
 

@@ -30,8 +30,11 @@ def ingest(args, settings) -> int:
 
 
 def precompute(args, settings) -> int:
+    from .jobs.launcher import exit_with_parent
     from .jobs.precompute import run_precompute
 
+    if args.lifeline:
+        exit_with_parent()
     summary = run_precompute(settings, workers=args.workers, namespace=args.namespace, progress=not args.quiet,
                              job_id=args.job, retry_failed=args.retry_failed)
     print(summary.line())

@@ -11,7 +11,7 @@ from ..deps import service
 from ..errors import ApiError, documented
 from ..schemas import ChunkSelector, EvictRequest
 
-router = APIRouter(tags=["cache"], responses=documented(400, 401, 403, 404, 409, 413, 422))
+router = APIRouter(tags=["cache"], responses=documented(400, 401, 403, 404, 409, 413, 422, 503))
 
 
 @router.post("/v1/cache/lookup")

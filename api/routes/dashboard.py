@@ -15,7 +15,7 @@ from ..deps import service
 from ..errors import ApiError, documented
 
 STATIC = Path(__file__).resolve().parents[1] / "static"
-router = APIRouter(tags=["dashboard"], responses=documented(401, 403, 404, 422))
+router = APIRouter(tags=["dashboard"], responses=documented(401, 403, 404, 422, 503))
 
 
 @router.get("/", include_in_schema=False)

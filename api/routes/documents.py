@@ -21,7 +21,7 @@ from ..schemas import DocId, DocumentIn, NamespaceName
 
 NamespaceQuery = Annotated[NamespaceName, Query()]
 DocPath = Annotated[DocId, Path()]
-router = APIRouter(tags=["documents"], responses=documented(401, 403, 404, 413, 422, 429))
+router = APIRouter(tags=["documents"], responses=documented(401, 403, 404, 413, 422, 429, 503))
 
 _DOC = {"type": "object", "required": ["id", "text"],
         "properties": {"id": {"type": "string"}, "title": {"type": "string"}, "text": {"type": "string", "minLength": 1}}}

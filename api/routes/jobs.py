@@ -8,7 +8,7 @@ from ..deps import service
 from ..errors import ApiError, documented
 from ..schemas import JobRequest
 
-router = APIRouter(tags=["jobs"], responses=documented(401, 403, 404, 409, 422))
+router = APIRouter(tags=["jobs"], responses=documented(401, 403, 404, 409, 422, 503))
 
 
 @router.post("/v1/jobs/precompute", status_code=202)

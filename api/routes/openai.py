@@ -21,7 +21,7 @@ from ..errors import ApiError, body, documented, from_exception
 from ..schemas import ChatRequest
 from ..streaming import sse, sse_response
 
-router = APIRouter(tags=["openai"], responses=documented(400, 401, 403, 404, 413, 422, 429))
+router = APIRouter(tags=["openai"], responses=documented(400, 401, 403, 404, 413, 422, 429, 503))
 
 
 def model_id(request: Request) -> str:

@@ -11,7 +11,7 @@ from ..errors import body, documented, from_exception
 from ..schemas import GenerateRequest, GenerateResponse
 from ..streaming import sse, sse_response
 
-router = APIRouter(tags=["rag"], responses=documented(400, 401, 403, 404, 413, 422, 429))
+router = APIRouter(tags=["rag"], responses=documented(400, 401, 403, 404, 413, 422, 429, 503))
 
 STREAM_DOC = ("With `stream: true`: `text/event-stream` of `event: token` (`{\"text\": delta}`) events, then one "
               "`event: done` whose data is the whole response, or `event: error` (`{\"error\": …}`).")

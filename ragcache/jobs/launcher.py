@@ -2,13 +2,16 @@
 
 A job is a row in SQL (`jobs`); its work is `ragcache precompute --job ID`, a child process, so
 the server stays responsive and the job survives nothing it should not: a server that stops
-terminates its children, and the job resumes (chunk states are in SQL) when started again.
+terminates its children, and the job resumes (chunk states are in SQL) when started again. A
+server that dies (kill -9, a crash) takes its children with it (their stdin is a pipe only the
+server holds: `exit_with_parent`), and the next server on its home resumes the jobs it left running.
 The child gets `job_threads` torch threads; the server uses the rest while it runs.
 """
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
 import signal
@@ -16,11 +19,14 @@ import subprocess
 import sys
 import threading
 
+from sqlalchemy import select
+
 from ..corpus.ingest import corpus_counts
 from ..errors import Conflict, NotFound
 from ..meta import Job, utcnow
 from .rows import LOCK_FILE, join_or_start_job
 
+log = logging.getLogger("ragcache.jobs")
 _SERVER_ONLY = {"api_keys", "admin_key"}  # settings a precompute child is not given
 _ERROR_LINE = re.compile(r"([A-Za-z_][\w.]*(?:Error|Exception|Interrupt))(?::|$)")  # a traceback's last line
 
@@ -54,13 +60,32 @@ class Jobs:
 
     def _launch(self, job_id: int, namespace: str | None) -> None:
         log = open(self.p.settings.home / f"job-{job_id}.log", "ab")
-        cmd = [sys.executable, "-m", "ragcache.cli", "precompute", "--job", str(job_id), "--quiet"]
+        cmd = [sys.executable, "-m", "ragcache.cli", "precompute", "--job", str(job_id), "--quiet", "--lifeline"]
         if namespace is not None:
             cmd += ["--namespace", namespace]
-        proc = subprocess.Popen(cmd, env=self._child_env(), stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, env=self._child_env(), stdout=log, stderr=log, stdin=subprocess.PIPE)
         self._children[job_id] = (proc, namespace)
         log.close()
         threading.Thread(target=self._watch, args=(proc,), name=f"job-{job_id}", daemon=True).start()
+
+    def resume(self) -> None:
+        """Start again the jobs a server on this home left running (it died without stopping them, and
+        its children died with it); on SQLite none while another process precomputes (it holds the
+        lock, and may be working on them)."""
+        with self.p.db.session() as s:
+            rows = s.execute(select(Job.id, Job.namespace).where(Job.state == "running").order_by(Job.id)).all()
+        left = [(job_id, ns) for job_id, ns in rows if (self.p.settings.home / f"job-{job_id}.log").exists()]
+        with self._lock:
+            if not left or (self.p.db.is_sqlite and self._lock_held()):
+                return
+            for job_id, ns in left:
+                if job_id in self._children or job_id in self._queued:
+                    continue
+                log.info("resuming precompute job %d, left running by a server that died", job_id)
+                if self.p.db.is_sqlite and self._children:
+                    self._queued[job_id] = ns
+                else:
+                    self._launch(job_id, ns)
 
     def _watch(self, proc: subprocess.Popen) -> None:
         """Reap a child as soon as it exits, so its failure is written and a queued job starts at once."""
@@ -96,6 +121,7 @@ class Jobs:
             if code is None:
                 continue
             del self._children[job_id]
+            proc.stdin.close()
             if code != 0:
                 self._end(job_id, "failed", self._failure(job_id, code))
             elif self._row(job_id)["state"] == "running" and corpus_counts(self.p.db, namespace).get("pending"):
@@ -155,8 +181,21 @@ class Jobs:
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+                proc.stdin.close()
                 self._end(job_id, "stopped", "the server stopped; POST /v1/jobs/precompute resumes the work")
             self._children.clear()
+
+
+def exit_with_parent() -> None:
+    """In a server's precompute child: exit as soon as stdin, the pipe only the server holds, reaches its
+    end: the server is gone, however it went. No cleanup, as when `close` terminates it: the chunks it held
+    go back to the pool from SQL (claims.release_dead, leases) and a put it cut off is swept (ledger.sweep)."""
+    def watch() -> None:
+        while sys.stdin.buffer.read(1 << 16):
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="lifeline", daemon=True).start()
 
 
 def exit_reason(code: int, log_lines: list[str], log_name: str) -> str:

@@ -61,11 +61,15 @@ class DiskTier:
         path = self._path(key)
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_name(f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(value)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic: readers see the old blob or the whole new one
+        try:
+            with open(tmp, "wb") as f:
+                f.write(value)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)  # atomic: readers see the old blob or the whole new one
+        except BaseException:  # a full disk (ENOSPC), an I/O error: what was written would hold its space
+            tmp.unlink(missing_ok=True)
+            raise
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)  # the rename itself is durable
