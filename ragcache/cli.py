@@ -112,6 +112,7 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     b.add_argument("--seconds", type=_positive, default=60, help="http: how long the load runs; tenants --hostile: "
                    "how long B runs under the flood")
     b.add_argument("--hostile", action="store_true", help="tenants: A also pins, sends bad bodies, stalls uploads")
+    b.add_argument("--ingest", type=int, default=0, help="tenants: A ingests this many documents while B runs")
     b.add_argument("--clients", type=_ints, default=[1, 4, 8, 16],
                    help="serve: concurrent clients, comma-separated; tenants: the flooder's (the largest)")
     b.add_argument("--rounds", type=_positive, default=2, help="serve: requests per client; tenants: B's requests")

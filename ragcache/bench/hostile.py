@@ -5,9 +5,12 @@
     bodies   a body over RAGCACHE_MAX_BODY_BYTES (413), JSON nested 100,000 deep and a 5,000-digit integer
              (422), RATE a second
     uploads  `n` uploads that send their headers, then one byte a second (408 after RAGCACHE_BODY_TIMEOUT_S)
+    ingest   `total` documents of 240 words through POST /v1/documents, INGEST_BATCH a request (not hostile:
+             big; the one that ends sets its Event whether or not `stop` cut it short)
 """
 from __future__ import annotations
 
+import json
 import select
 import socket
 from collections import Counter
@@ -17,6 +20,8 @@ import httpx
 
 RATE = 20  # requests a second of each paced loop
 TRICKLE_S = 1.0  # a stalled upload's pace: one byte this often
+INGEST_BATCH = 4000  # documents a request (~6 MB of JSON, under the default 8 MiB body limit)
+WORDS = "the committee met again in the spring to review the harbour accounts and the new charter".split()
 
 
 def pins(url: str, key: str, namespace: str, docs: list[str], stop, seen: Counter) -> None:
@@ -73,6 +78,26 @@ def uploads(url: str, key: str, n: int, stop, seen: Counter) -> None:
     finally:
         for s in socks:
             s.close()
+
+
+def ingest(url: str, key: str, total: int, max_body_bytes: int, namespace: str, done, stop, seen: Counter) -> None:
+    with httpx.Client(base_url=url, headers=_auth(key), timeout=600) as c:
+        try:
+            for start in range(0, total, INGEST_BATCH):
+                if stop.is_set():
+                    break
+                docs = [{"id": f"bulk-{i}", "text": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(240))}
+                        for i in range(start, min(total, start + INGEST_BATCH))]
+                body = json.dumps({"documents": docs}).encode()
+                if len(body) > max_body_bytes:
+                    raise ValueError(f"{len(body)} bytes of documents a request: over RAGCACHE_MAX_BODY_BYTES")
+                r = c.post("/v1/documents", params={"namespace": namespace, "precompute": "false"}, content=body,
+                           headers={"Content-Type": "application/json"})
+                seen[("ingest request", r.status_code)] += 1
+                if r.status_code == 200:
+                    seen[("documents ingested", 200)] += r.json()["documents"]["added"]
+        finally:
+            done.set()
 
 
 def _auth(key: str) -> dict:

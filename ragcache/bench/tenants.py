@@ -8,6 +8,7 @@ under the flood within 2x of alone, every one of B's requests answered (issue 21
 counted by status. `--hostile`: for `--seconds`, A also pins and unpins its documents, sends bodies too
 large, too deep and with too long integers (each `hostile.RATE` a second: on this machine's 2 cores a
 client's own CPU, unpaced, would be what the run measured), and holds 16 stalled uploads open.
+`--ingest N`: instead of flooding, A ingests N documents through `POST /v1/documents` while B runs.
 """
 from __future__ import annotations
 
@@ -44,27 +45,36 @@ def run(settings, args) -> int:
         _cli(env, "precompute", "--quiet")
         questions = [q["question"] for q in data]
         with _Server(env, Path(tmp)) as srv:
-            alone, _ = _tenant_b(srv.url, questions, rounds=args.rounds)
+            alone, _ = _tenant_b(srv.url, questions, lambda n: n < args.rounds)
             hostile_args = (key_a, [f"a-{i}" for i in range(len(ctxs))], settings.max_body_bytes) if args.hostile else None
             ctx = multiprocessing.get_context("spawn")
-            stop, out = ctx.Event(), ctx.Queue()
-            a = ctx.Process(target=tenant_a, args=(srv.url, questions, args.new_tokens, max(args.clients),
-                                                   hostile_args, stop, out), daemon=True)
+            stop, ingested, out = ctx.Event(), ctx.Event(), ctx.Queue()
+            clients = 0 if args.ingest else max(args.clients)
+            a = ctx.Process(target=tenant_a, args=(srv.url, questions, args.new_tokens, clients, hostile_args,
+                                                   (key_a, args.ingest, settings.max_body_bytes, ingested), stop, out),
+                            daemon=True)
             a.start()
-            t0 = time.perf_counter()
+            t0, end = time.perf_counter(), time.perf_counter() + args.seconds
+            if args.ingest:  # B runs while the ingest does
+                more = lambda n: not ingested.is_set()  # noqa: E731
+            elif args.hostile:
+                more = lambda n: time.perf_counter() < end  # noqa: E731
+            else:
+                more = lambda n: n < args.rounds  # noqa: E731
             try:
-                flooded, failed = _tenant_b(srv.url, questions, rounds=None if args.hostile else args.rounds,
-                                            seconds=args.seconds)
+                flooded, failed = _tenant_b(srv.url, questions, more)
             finally:
                 stop.set()
                 a_seen = out.get(timeout=600)
                 a.join()
             seconds = time.perf_counter() - t0
     answered = a_seen[("full-mode generate", 200)]
+    b_under = f"{args.seconds} s of them" if args.hostile else "them while A ingests" if args.ingest else args.rounds
+    a_does = (f"ingests {args.ingest} documents ({hostile.INGEST_BATCH} a request, precompute off)" if args.ingest else
+              f"{clients} clients of full-mode requests, {args.new_tokens} tokens each, ignore_eos, sent again at once"
+              + (", and pins, bad bodies and stalled uploads" if args.hostile else ""))
     print(f"model {settings.model}, {os.cpu_count()} cores; B: {args.rounds} streamed requests alone, then "
-          f"{f'{args.seconds} s of them' if args.hostile else args.rounds} under the flood (reuse, top-k 4, 8 tokens); "
-          f"A: {max(args.clients)} clients of full-mode requests, {args.new_tokens} tokens each, ignore_eos, sent "
-          f"again at once{', and pins, bad bodies and stalled uploads' if args.hostile else ''}")
+          f"{b_under} (reuse, top-k 4, 8 tokens); A: {a_does}")
     print(f"A's answers in {seconds:.0f} s (what, status: count): "
           + ", ".join(f"{w} {st}: {n}" for (w, st), n in sorted(a_seen.items(), key=str))
           + f"; {answered / seconds:.2f} full-mode answers/s")
@@ -77,15 +87,14 @@ def run(settings, args) -> int:
     return 0
 
 
-def _tenant_b(url: str, questions: list[str], rounds: int | None = None,
-              seconds: float = 0) -> tuple[tuple[list[float], list[float]], int]:
-    """((client TTFTs, whole-request times) (s) of B's answered requests, sent one after another: `rounds`
-    of them, else for `seconds`; how many got no answer)."""
+def _tenant_b(url: str, questions: list[str], more) -> tuple[tuple[list[float], list[float]], int]:
+    """((client TTFTs, whole-request times) (s) of B's answered requests, sent one after another while
+    `more(requests sent so far)`; how many got no answer)."""
     headers = {"Authorization": f"Bearer {list(KEYS)[1]}"}
-    ttfts, wholes, failed, end = [], [], 0, time.perf_counter() + seconds
+    ttfts, wholes, failed = [], [], 0
     with httpx.Client(base_url=url, headers=headers, timeout=600) as c:
         _stream(c, _body(questions[0], "b", 8))  # warm
-        while (len(ttfts) + failed < rounds) if rounds is not None else time.perf_counter() < end:
+        while more(len(ttfts) + failed):
             t0 = time.perf_counter()
             try:
                 ttfts.append(_stream(c, _body(questions[(len(ttfts) + failed) % len(questions)], "b", 8))[0])
@@ -95,10 +104,14 @@ def _tenant_b(url: str, questions: list[str], rounds: int | None = None,
     return (ttfts, wholes), failed
 
 
-def tenant_a(url: str, questions: list[str], tokens: int, clients: int, hostile_args, stop, out) -> None:
+def tenant_a(url: str, questions: list[str], tokens: int, clients: int, hostile_args, ingest_args, stop,
+             out) -> None:
     """Tenant A's clients, until `stop`, in a process of its own (B's client never waits on their GIL): its
-    answers by (what, status) go to `out`. `hostile_args`: (key, doc ids, max body bytes), or None."""
+    answers by (what, status) go to `out`. `hostile_args`: (key, doc ids, max body bytes), or None;
+    `ingest_args`: (key, documents to ingest (0: none), max body bytes, an Event set when they are in)."""
     work = [(_flood, (url, questions, tokens)) for _ in range(clients)]
+    if ingest_args[1]:
+        work.append((hostile.ingest, (url, *ingest_args[:3], "a", ingest_args[3])))
     if hostile_args is not None:
         key, docs, max_body = hostile_args
         work += [(hostile.pins, (url, key, "a", docs)), (hostile.bodies, (url, key, max_body)),
