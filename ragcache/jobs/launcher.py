@@ -59,13 +59,13 @@ class Jobs:
             return self._row(job_id)
 
     def _launch(self, job_id: int, namespace: str | None) -> None:
-        log = open(self.p.settings.home / f"job-{job_id}.log", "ab")
+        out = open(self.p.settings.home / f"job-{job_id}.log", "ab")
         cmd = [sys.executable, "-m", "ragcache.cli", "precompute", "--job", str(job_id), "--quiet", "--lifeline"]
         if namespace is not None:
             cmd += ["--namespace", namespace]
-        proc = subprocess.Popen(cmd, env=self._child_env(), stdout=log, stderr=log, stdin=subprocess.PIPE)
+        proc = subprocess.Popen(cmd, env=self._child_env(), stdout=out, stderr=out, stdin=subprocess.PIPE)
         self._children[job_id] = (proc, namespace)
-        log.close()
+        out.close()
         threading.Thread(target=self._watch, args=(proc,), name=f"job-{job_id}", daemon=True).start()
 
     def resume(self) -> None:

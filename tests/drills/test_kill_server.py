@@ -20,7 +20,7 @@ def test_kill_9_mid_stream_and_mid_job_then_restart_resumes_the_job(servers, tmp
     env = dict(RAGCACHE_PRECOMPUTE_BATCH=1,  # a chunk per commit: the job is cut between chunks, or inside one
                RAGCACHE_CHUNK_TOKENS=96,  # many quick chunks: work left at the kill, little after the restart
                RAGCACHE_ORPHAN_GRACE_S=1)  # a put cut off by the kill is swept at the restart
-    docs = demo_docs(1, 4, "k-")
+    docs = demo_docs(1, 3, "k-")
     a = servers(home, **env)
     with a.client() as c:
         r = c.post("/v1/documents", params={"namespace": NS}, json=docs)
