@@ -50,6 +50,19 @@ class Server:
             self.proc.kill()
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (a server's precompute children)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from .conftest import ADMIN, TENANTS, copy_home, demo_docs, free_port, server_env, start_server
+from .conftest import ADMIN, TENANTS, children, copy_home, demo_docs, free_port, server_env, start_server
 from .test_documents_jobs import _wait_job
 
 KEY_A, KEY_B = TENANTS
@@ -30,23 +30,11 @@ def guarded(corpus_home, tmp_path_factory, smollm):
     server.stop()
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
 def _child_environ(server, job_id: int) -> dict[str, str]:
     """The environment of the precompute child running job `job_id` (waiting for it to start)."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        for pid in _children(server.proc.pid):
+        for pid in children(server.proc.pid):
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
                 if b"precompute" in cmd and str(job_id).encode() in cmd:

@@ -48,19 +48,6 @@ def servers(smollm):
             s.stop()
 
 
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (a server's precompute children)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
-
-
 def alive(pid: int) -> bool:
     """`pid` runs (a zombie, dead and not yet reaped, does not)."""
     try:

@@ -7,10 +7,10 @@ import threading
 
 import httpx
 
-from tests.api.conftest import demo_docs
+from tests.api.conftest import children, demo_docs
 from tests.api.sse import events
 
-from .conftest import alive, children, chunk_states, disk_store_problems, kill9, wait_for
+from .conftest import alive, chunk_states, disk_store_problems, kill9, wait_for
 
 NS = "drill-kill"
 
