@@ -7,10 +7,10 @@ from .chunk import ALONE, ChunkKV, PrefixKV, compute_chunk, compute_prefix, ids_
 from .fuse import FusedResult, fuse_and_prefill
 from .model import Model, ModelError, load_model
 from .runner import Runner
-from .select import A3, BlendQ, CacheBlend, Epic, Full, Prefix, Probe, Reuse, make_policy
+from .select import A3, Adaptive, BlendQ, CacheBlend, Epic, Full, Prefix, Probe, Reuse, make_policy
 
 __all__ = [
-    "A3", "ALONE", "BlendQ", "CacheBlend", "ChunkKV", "Epic", "Full", "FusedResult", "KVCache", "Model", "ModelError",
+    "A3", "ALONE", "Adaptive", "BlendQ", "CacheBlend", "ChunkKV", "Epic", "Full", "FusedResult", "KVCache", "Model", "ModelError",
     "Prefix", "PrefixKV", "Probe", "Reuse", "Runner", "compute_chunk", "compute_prefix", "fuse_and_prefill", "ids_key",
     "load_model", "make_policy", "tokens_only",
 ]

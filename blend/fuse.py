@@ -159,7 +159,7 @@ def stage(runner: Runner, prefix_kv: PrefixKV | None, chunk_kvs: list[ChunkKV], 
     probe_rows = probe_layers = 0
     if plan.probe is not None:  # the probe's time is the mode's: it counts as recompute
         probe_rows, probe_layers = plan.rows.numel(), min(plan.probe_layers or runner.num_layers, runner.num_layers)
-        mass = _probe(runner, cache, token_ids, layout, plan.rows, probe_layers)
+        mass = _probe(runner, cache, token_ids, layout, plan.rows, probe_layers, plan.probe_whole)
         plan = plan.probe(mass)
     reweight = getattr(policy, "reweight", None)
     if reweight is not None and reweight.active:
@@ -188,11 +188,12 @@ def fuse_and_prefill(runner: Runner, prefix_kv: PrefixKV | None, chunk_kvs: list
 
 
 def _probe(runner: Runner, cache: KVCache, token_ids: torch.Tensor, layout: Layout, rows: torch.Tensor,
-           layers: int) -> torch.Tensor:
+           layers: int, whole: bool = False) -> torch.Tensor:
     """Run `rows` (the suffix) through the first `layers` layers against the fused cache as it is;
-    → (C,) float32: the attention they give each context row, averaged over those layers. Their K/V
-    land in the cache and are overwritten by the recompute that follows."""
-    mass = _MassSum(layout)
+    → (C,) float32: the attention they give each context row (softmax over the context's keys), averaged
+    over those layers; `whole`: (suffix_start,), every row before the suffix, softmax over all of them.
+    Their K/V land in the cache and are overwritten by the recompute that follows."""
+    mass = _MassSum(layout, whole)
     runner.forward_selected(cache, token_ids[rows], rows, deviation_layers=frozenset(range(layers)),
                             row_filter=mass, layers=layers)
     return mass.total / layers
@@ -201,10 +202,9 @@ def _probe(runner: Runner, cache: KVCache, token_ids: torch.Tensor, layout: Layo
 class _MassSum:
     """The probe's row filter: adds up the question's attention on the context at each layer, keeps every row."""
 
-    def __init__(self, layout: Layout):
-        self.layout = layout
-        self.total: torch.Tensor | float = 0.0  # (C,) once a layer has run
+    def __init__(self, layout: Layout, whole: bool):
+        self.layout, self.first = layout, 0 if whole else layout.prefix_len  # the first key the softmax spans
+        self.total: torch.Tensor | float = 0.0  # (suffix_start - first,) once a layer has run
 
     def __call__(self, check) -> None:
-        self.total = self.total + check.question_mass(self.layout.suffix_start,
-                                                      (self.layout.prefix_len, self.layout.suffix_start))
+        self.total = self.total + check.question_mass(self.layout.suffix_start, (self.first, self.layout.suffix_start))

@@ -43,6 +43,8 @@ class Plan:
     probe: Callable[[torch.Tensor], "Plan"] | None = None
     probe_layers: int = 0  # the probe runs through the first this many layers (0: all)
     probe_plans: int = 0  # with a probe: how many rows its plan will recompute (known before it runs)
+    probe_whole: bool = False  # the probe's mass is a share of the question's whole attention (the prefix too), not
+    # of the context's alone
 
     @property
     def recompute_rows(self) -> int:

@@ -12,7 +12,7 @@ import torch
 
 from .plan import Layout, Plan
 from .runner import Check
-from .select_query import A3, BlendQ, Probe
+from .select_query import A3, Adaptive, BlendQ, Probe
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class _TopDeviation:
 
 
 POLICIES = {"full": Full, "prefix": Prefix, "reuse": Reuse, "epic": Epic, "cacheblend": CacheBlend, "probe": Probe,
-            "a3": A3, "blendq": BlendQ}
+            "adaptive": Adaptive, "a3": A3, "blendq": BlendQ}
 
 
 def make_policy(mode: str, **params):

@@ -5,6 +5,10 @@
   scored by the attention the question gives it (softmax over the context keys, summed over heads
   and question rows, averaged over layers); the top `ratio` of them, with the first `epic_k` of
   every stale chunk counted in that budget, are recomputed from layer 0 on every layer.
+- `Adaptive`: the probe's pass, then a budget per request: the fewest stale rows that leave at most
+  1 − `coverage` of the question's whole attention (the prefix's share, where much of it sinks,
+  included) on stale rows (at most `max_ratio` of them). A chunk the question ignores gets no rows; a
+  question that reads the passages little, or reads a few tokens, gets fewer than one that reads many.
 - `A3` (arXiv 2511.17560): CacheBlend's pass (every stale row up to `check_layer`), ranking at the
   check layer by the question's attention there, smoothed over ±`window` neighbours.
 - `BlendQ`: the same pass, ranking by the sum of the row's rank in KV deviation and in question
@@ -64,6 +68,45 @@ class Probe:
         score[heads - layout.prefix_len] = -1.0
         top = score.topk(min(rest, stale.numel() - heads.numel())).indices + layout.prefix_len
         return torch.cat([heads, top, layout.suffix()]).sort().values
+
+
+@dataclass(frozen=True)
+class Adaptive:
+    coverage: float = 0.8  # at probe@0.05's work and KL on dev 40–49 (the whole probe's sinks make 0.8 few rows)
+    layers: int = 0  # the probe runs through the first this many layers; 0: all (4 measured worse at equal work)
+    max_ratio: float = 0.5  # never more than this share of the stale rows
+    name = "adaptive"
+    reads_chunk_kv = True
+
+    def __post_init__(self):
+        if not 0 <= self.coverage <= 1:
+            raise ValueError("adaptive coverage must be in [0, 1]")
+        _check_ratio(self.name, self.max_ratio)
+        if self.layers < 0:
+            raise ValueError("adaptive layers must be >= 0")
+
+    def plan(self, layout: Layout, num_layers: int) -> Plan:
+        stale = layout.stale_rows().numel()
+        most = min(_budget(self.max_ratio, stale), stale) + layout.total - layout.suffix_start
+        return Plan(layout.suffix(), probe=lambda mass: Plan(self.choose(layout, mass)), probe_layers=self.layers,
+                    probe_plans=most, probe_whole=True)  # an upper bound: the plan is known only after the probe
+
+    def choose(self, layout: Layout, mass: torch.Tensor) -> torch.Tensor:
+        """mass (suffix_start,): the question's attention on every row before it (the prefix's too, where
+        much of it sinks) → rows (n,) ascending to recompute: stale rows by falling mass until what is
+        left of theirs is at most 1 − coverage of it all."""
+        stale = layout.stale_rows()
+        m = mass.float().cpu().clamp(min=0)
+        left = m[stale]  # (S,)
+        order = left.argsort(descending=True, stable=True)
+        after = left.sum() - left[order].cumsum(0)  # (S,) stale mass still uncovered after taking order[:i + 1]
+        allowed = (1 - self.coverage) * m.sum()
+        if self.coverage == 1:
+            n = stale.numel()
+        else:  # the first n whose rest fits
+            n = 0 if left.sum() <= allowed else int((after > allowed).sum()) + 1
+        n = min(n, _budget(self.max_ratio, stale.numel()), stale.numel())
+        return torch.cat([stale[order[:n]], layout.suffix()]).sort().values
 
 
 @dataclass(frozen=True)

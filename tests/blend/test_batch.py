@@ -7,7 +7,7 @@ import torch
 
 from blend import CacheBlend, Epic, Full, Model, Reuse, Runner, compute_chunk, compute_prefix, fuse_and_prefill
 from blend.batch import decode_batch, fuse_batch
-from blend.select_query import A3, Probe
+from blend.select_query import A3, Adaptive, Probe
 from tests.conftest import tiny_hf_model
 
 TOL = 1e-4
@@ -82,7 +82,7 @@ def test_batched_recompute_matches_each_prefill_alone(runner):
     requests = []
     for r, (policy, sizes) in enumerate([(CacheBlend(0.15), [60, 45, 80]), (Epic(4), [30, 70]),
                                          (Full(), [25, 40]), (Reuse(), [50]), (Probe(0.2), [40, 35]),
-                                         (A3(0.2), [30, 50])]):
+                                         (A3(0.2), [30, 50]), (Adaptive(0.8), [45, 30])]):
         chunks = [compute_chunk(runner, _ids(runner, n, seed=20 + 5 * r + c), prefix) for c, n in enumerate(sizes)]
         requests.append((prefix, chunks, _ids(runner, 7 + r, seed=40 + r), policy, 4))
     batched = fuse_batch(runner, requests)
@@ -104,7 +104,8 @@ def test_batched_full_recompute_reproduces_full_prefill(runner):
     requests = []
     for r, sizes in enumerate([[40, 33], [70]]):
         chunks = [compute_chunk(runner, _ids(runner, n, seed=60 + 3 * r + c)) for c, n in enumerate(sizes)]
-        requests.append((prefix, chunks, _ids(runner, 5, seed=70 + r), CacheBlend(1.0), 0))
+        policy = CacheBlend(1.0) if r == 0 else Adaptive(coverage=1.0, max_ratio=1.0)
+        requests.append((prefix, chunks, _ids(runner, 5, seed=70 + r), policy, 0))
     for req, got in zip(requests, fuse_batch(runner, requests)):
         full = runner.prefill(got.token_ids)
         assert torch.allclose(got.logits, full.logits, atol=TOL, rtol=TOL)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from blend import (A3, BlendQ, CacheBlend, Epic, Full, Prefix, Probe, Reuse, compute_chunk, compute_prefix,
+from blend import (A3, Adaptive, BlendQ, CacheBlend, Epic, Full, Prefix, Probe, Reuse, compute_chunk, compute_prefix,
                    fuse_and_prefill, make_policy)
 from blend.decode import Sampling, decode
 from blend.fuse import stage
@@ -59,7 +59,7 @@ def _answer(runner, cache, logits):
 
 @pytest.mark.parametrize("policy", [Full(), CacheBlend(ratio=1.0), CacheBlend(ratio=1.0, by="k", gradual=3),
                                     Epic(k=1000), Prefix(), Probe(ratio=1.0), Probe(ratio=1.0, epic_k=8),
-                                    A3(ratio=1.0), BlendQ(ratio=1.0)], ids=str)
+                                    Adaptive(coverage=1.0, max_ratio=1.0), A3(ratio=1.0), BlendQ(ratio=1.0)], ids=str)
 def test_full_recompute_reproduces_full_prefill(smol_runner, parts, chunks, reference, policy):
     prefix, _, suffix = parts
     res = fuse_and_prefill(smol_runner, prefix, chunks, suffix, policy, headroom=12)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blend import A3, BlendQ, CacheBlend, Probe, Reuse, compute_chunk, fuse_and_prefill
+from blend import A3, Adaptive, BlendQ, CacheBlend, Probe, Reuse, compute_chunk, fuse_and_prefill
 from blend.fuse import _probe, layout_of
 from blend.model import Model
 from blend.runner import Check, Runner
@@ -30,6 +30,36 @@ def test_probe_takes_the_top_mass_of_stale_rows_within_its_budget():
               Probe(ratio=0.5, epic_k=20)):
         plan = p.plan(LAYOUT, 4)  # what a scheduler counts before the probe runs: the rows its plan will take
         assert plan.recompute_rows == plan.probe(mass).rows.numel(), p
+
+
+def test_adaptive_recomputes_nothing_in_a_chunk_the_question_ignores():
+    mass = torch.zeros(60)  # rows 0..59: the question reads the prefix, the exact chunk and [30, 50), never [50, 60)
+    mass[2], mass[15] = 6.0, 4.0
+    mass[30:50] = torch.linspace(2.0, 0.1, 20)
+    rows = Adaptive(coverage=0.99, max_ratio=1.0).choose(LAYOUT, mass)
+    picked = rows[rows < 60]
+    assert picked.numel() > 0 and bool(((picked >= 30) & (picked < 50)).all())
+    assert rows[rows >= 60].tolist() == list(range(60, 65))  # the suffix, always
+    elsewhere = torch.zeros(60)
+    elsewhere[2], elsewhere[15] = 3.0, 1.0  # all of it on the prefix and the chunk already exact in place
+    assert Adaptive(coverage=0.99).choose(LAYOUT, elsewhere).tolist() == list(range(60, 65))
+
+
+def test_adaptive_budget_grows_with_the_coverage_asked_and_with_what_the_question_reads_of_the_passages():
+    mass = torch.rand(60, generator=torch.Generator().manual_seed(3)) ** 4  # a few rows carry most
+    mass[:10] = 0.0
+    counts = [Adaptive(coverage=c, max_ratio=1.0).choose(LAYOUT, mass).numel() - 5 for c in (0.0, 0.5, 0.8, 0.95, 1.0)]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 30 and counts[1] < counts[3]
+    left = mass[30:].sum() - mass[30:].sort(descending=True).values[: counts[2]].sum()
+    assert left <= 0.2 * mass.sum() + 1e-6  # what stays stale holds at most 1 − coverage of the attention
+    sunk = mass.clone()
+    sunk[0] = 4 * mass.sum()  # the same passages' mass, but most of the question's attention sinks into the prefix
+    assert Adaptive(coverage=0.8, max_ratio=1.0).choose(LAYOUT, sunk).numel() - 5 < counts[2]
+    assert Adaptive(coverage=1.0, max_ratio=0.1).choose(LAYOUT, mass).numel() - 5 == 3  # the cap
+    for a in (Adaptive(0.5), Adaptive(0.9, max_ratio=0.2), Adaptive(1.0, max_ratio=1.0)):
+        plan = a.plan(LAYOUT, 4)  # what a scheduler counts before the probe runs: at least what it will take
+        assert plan.probe_layers == a.layers and plan.probe_whole
+        assert plan.recompute_rows >= plan.probe(mass).rows.numel()
 
 
 def _check_with_mass(rows: torch.Tensor, hot: list[int], dev_v: torch.Tensor) -> Check:
