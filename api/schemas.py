@@ -25,6 +25,10 @@ NamespaceName = Annotated[str, Field(min_length=1, max_length=128), AfterValidat
 DocId = Annotated[str, Field(min_length=1, max_length=DOC_ID_CHARS), AfterValidator(storable)]
 
 
+TARGET_KL = ("auto, adaptive: serve the mode (auto) or coverage (adaptive) `ragcache calibrate` measured fastest "
+             "within this mean teacher-forced KL of full prefill (nats)")
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -37,6 +41,7 @@ class GenerateRequest(Strict):
     recompute_ratio: float | None = Field(default=None, ge=0, le=1,
                                           description="cacheblend, probe, a3, blendq: share of context rows recomputed")
     epic_k: int | None = Field(default=None, ge=0, le=4096, description="epic: tokens recomputed per chunk")
+    target_kl: float | None = Field(default=None, ge=0, le=100, description=TARGET_KL)
     max_tokens: int | None = Field(default=None, ge=1, le=1 << 20, description="the model's context bounds it")
     temperature: float = Field(default=0.0, ge=0, le=5)
     top_p: float = Field(default=1.0, gt=0, le=1)
@@ -79,6 +84,7 @@ class GenerateResponse(BaseModel):
     request_id: str
     answer: str
     mode: str
+    policy: str = Field(description="what served it, knobs and APE included: probe@0.1+ape@1,0.5")
     finish_reason: str
     chunks: list[Chunk]
     usage: Usage
@@ -107,6 +113,7 @@ class RagOptions(Strict):
     mode: Mode | None = None
     recompute_ratio: float | None = Field(default=None, ge=0, le=1)
     epic_k: int | None = Field(default=None, ge=0, le=4096)
+    target_kl: float | None = Field(default=None, ge=0, le=100, description=TARGET_KL)
     explain: bool = False
     retrieval: Retrieval | None = None
     rerank: int | None = Field(default=None, ge=0, le=64)

@@ -46,16 +46,21 @@ def _parts(text: str) -> list[str]:
 
 def _add_eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", required=True, help="a MuSiQue/CacheBlend-format JSON file")
-    p.add_argument("--modes", default=",".join(EVAL_MODES))
-    p.add_argument("--ratios", type=_floats, default=[0.05, 0.15, 0.3, 0.5], help="cacheblend ratios")
-    p.add_argument("--epic-k", type=_ints, default=[4, 16, 32], help="epic: tokens per chunk")
-    p.add_argument("--probe-ratios", type=_floats, default=[0.03, 0.15, 0.2], help="probe (query-probe selection) ratios")
+    # each None: a plain `ragcache eval`'s (EvalConfig): the measured frontier and the baselines it is held against
+    p.add_argument("--modes", default=None, help=f"any of {','.join(EVAL_MODES)}")
+    p.add_argument("--ratios", type=_floats, default=None, help="cacheblend ratios")
+    p.add_argument("--epic-k", type=_ints, default=None, help="epic: tokens per chunk")
+    p.add_argument("--probe-ratios", type=_floats, default=None, help="probe (query-probe selection) ratios")
     p.add_argument("--probe-epic-k", type=int, default=0, help="probe: EPIC's first k per chunk inside its budget")
-    p.add_argument("--probe-layers", type=_ints, default=[0],
+    p.add_argument("--probe-layers", type=_ints, default=None,
                    help="probe: layers the question runs through to score the context (0: all); several → each")
+    p.add_argument("--coverages", type=_floats, default=None,
+                   help="adaptive: share of the question's attention whose stale rows are recomputed")
+    p.add_argument("--adaptive-layers", type=int, default=None, help="adaptive: layers its probe runs through (0: all)")
     p.add_argument("--ape", type=_pair, action="append", metavar="T,S",
                    help="every mode that reads chunk KV again, with APE re-weighting (temperature T, factor S); "
-                        "repeatable")
+                        "repeatable; default: the server's (1,0.5)")
+    p.add_argument("--no-ape", action="store_true", help="no APE variants")
     p.add_argument("--a3-ratios", type=_floats, default=[0.15], help="a3 (question attention at the check layer)")
     p.add_argument("--a3-window", type=int, default=2, help="a3, blendq: ± neighbours the attention is smoothed over")
     p.add_argument("--blendq-ratios", type=_floats, default=[0.12], help="blendq (deviation and attention ranks)")
@@ -158,6 +163,8 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     a.add_argument("--ratio", type=float, default=None,
                    help="cacheblend, probe, a3, blendq: share of context rows recomputed")
     a.add_argument("--epic-k", type=int, default=None, help="epic: tokens recomputed at each chunk's start")
+    a.add_argument("--target-kl", type=float, default=None,
+                   help="auto, adaptive: the calibrated point within this KL of full prefill (`ragcache calibrate`)")
     a.add_argument("--max-new-tokens", type=_positive, default=None)
     a.add_argument("--namespace", default="default")
     a.add_argument("--json", action="store_true", help="print the whole result as JSON")

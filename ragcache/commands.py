@@ -60,7 +60,8 @@ def ask(args, settings) -> int:
 
     with RagCache(settings) as service:
         out = service.generate(args.question, args.namespace, args.k, args.mode, ratio=args.ratio, k=args.epic_k,
-                               max_new_tokens=args.max_new_tokens, retrieval=args.retrieval, rerank=args.rerank)
+                               max_new_tokens=args.max_new_tokens, retrieval=args.retrieval, rerank=args.rerank,
+                               target_kl=args.target_kl)
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -81,9 +82,13 @@ def eval_config(args, settings):
 
     from .evaluation.evaluate import EvalConfig
 
-    return EvalConfig(Path(args.dataset), modes=args.modes.split(","), ratios=args.ratios, epic_ks=args.epic_k,
-                      probe_ratios=args.probe_ratios, probe_epic_k=args.probe_epic_k, probe_layers=args.probe_layers,
-                      ape=args.ape or [], a3_ratios=args.a3_ratios,
+    given = {"modes": args.modes.split(",") if args.modes else None, "ratios": args.ratios, "epic_ks": args.epic_k,
+             "probe_ratios": args.probe_ratios, "probe_layers": args.probe_layers, "coverages": args.coverages,
+             "adaptive_layers": args.adaptive_layers,
+             "ape": [] if args.no_ape else args.ape or ([(settings.ape_temperature, settings.ape_factor)]  # the server's
+                                                        if (settings.ape_temperature, settings.ape_factor) != (1, 1) else [])}
+    return EvalConfig(Path(args.dataset), **{k: v for k, v in given.items() if v is not None},
+                      probe_epic_k=args.probe_epic_k, a3_ratios=args.a3_ratios,
                       a3_window=args.a3_window, blendq_ratios=args.blendq_ratios,
                       top_k=args.top_k, retrieval=args.retrieval, rerank=args.rerank,
                       chunk_prefill=args.chunk_prefill or settings.chunk_prefill,

@@ -1,7 +1,8 @@
 """`ragcache demo`: the main job on the bundled model and the demo corpus.
 
 ingest → precompute (resumable: a second run skips what is done) → answer three questions in
-full, cacheblend and epic mode through the service → a small evaluation and its Pareto plot.
+full, cacheblend, epic and the default mode (probe, with APE) through the service → a small evaluation of the
+same modes, with and without APE, and its Pareto plot.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from .jobs.precompute import run_precompute
 from .service import RagCache
 
 NAMESPACE = "demo"
-MODES = ("full", "cacheblend", "epic")
+MODES = ("full", "cacheblend", "epic", None)  # None: the server's default mode
 
 
 def run_demo(settings: Settings, args) -> int:
@@ -53,7 +54,8 @@ def _run(service: RagCache, settings: Settings, data: Path, questions: list[dict
             ttft = r["timings_ms"]["ttft"]
             full_ttft = full_ttft or ttft
             u = r["usage"]
-            rows.append([q["question"], mode, ttft, full_ttft / ttft, u["recomputed_tokens"] / u["prompt_tokens"],
+            served = (mode or f"{settings.mode} (default)") + ("+ape" if mode != "full" and settings.ape_factor != 1 else "")
+            rows.append([q["question"], served, ttft, full_ttft / ttft, u["recomputed_tokens"] / u["prompt_tokens"],
                          r["answer"], q["answers"][0], {c["tier"] for c in r["chunks"]}])
     print("| question | mode | TTFT ms | speedup vs full | recomputed | answer | gold | KV from |")
     print("|---|---|---|---|---|---|---|---|")
@@ -63,8 +65,8 @@ def _run(service: RagCache, settings: Settings, data: Path, questions: list[dict
               f"{','.join(sorted(tiers))} |")
 
     _step(f"evaluate fidelity vs latency on these questions → {out}/pareto.png")
-    cfg = EvalConfig(data, modes=["full", "reuse", "cacheblend", "epic"], ratios=[0.15, 0.5], epic_ks=[16],
-                     top_k=4, limit=len(questions), max_new_tokens=16)
+    cfg = EvalConfig(data, modes=["full", "reuse", "cacheblend", "epic", "probe"], probe_ratios=[settings.probe_ratio],
+                     probe_layers=[settings.probe_layers], top_k=4, limit=len(questions), max_new_tokens=16)
     results = evaluate(service, cfg)
     write_results(results, out)
     write_results(results, latest_dir(settings.home))

@@ -5,7 +5,7 @@ precompute state; a changed document's new pieces `staged` beside the served one
 done, corpus/versions.py), kv_entries (one stored chunk KV, shared by every chunk with the same key),
 kv_copies and blob_stores (where each entry's blobs are: per host disk, per deployment Redis),
 pins (who pins which entry, within a quota), jobs (precompute runs), model_defaults (what
-`calibrate` chose), index_versions (bumped whenever
+`calibrate` measured and chose), index_versions (bumped whenever
 a namespace's set of retrievable chunks changes: a long-lived process re-syncs its FAISS index
 when the number moves, whoever made the change).
 
@@ -15,6 +15,7 @@ version in `schema_info`; a change bumps SCHEMA_VERSION and adds a step to `_MIG
 """
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from .errors import UserError
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 _SCHEMA_LOCK = 0x7261676361636865  # PostgreSQL advisory lock key ("ragcache") for schema changes
 _MIGRATIONS: dict[int, list[str]] = {  # version → DDL statements that bring version-1 up to it
     2: ["ALTER TABLE jobs ADD COLUMN error TEXT"],  # (index_versions is a new table: create_all makes it)
@@ -42,6 +43,7 @@ _MIGRATIONS: dict[int, list[str]] = {  # version → DDL statements that bring v
         "ALTER TABLE chunks ADD COLUMN staged BOOLEAN NOT NULL DEFAULT FALSE",  # a document's ordinals, once per
         "DROP INDEX ux_chunks_doc_ordinal",  # version: the served one and the staged one
         "CREATE UNIQUE INDEX ux_chunks_doc_staged_ordinal ON chunks (document_id, staged, ordinal)"],
+    7: ["ALTER TABLE model_defaults ADD COLUMN points TEXT"],
 }
 
 
@@ -186,6 +188,15 @@ class ModelDefault(Base):
     speedup: Mapped[float] = mapped_column(Float)
     dataset: Mapped[str] = mapped_column(Text)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    points: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON [{label, kl, speedup}]: all measured
+
+    def fastest(self, target_kl: float, family: str | None = None) -> str | None:
+        """The label of the fastest point measured within `target_kl` (of one mode's labels), else of the
+        closest; None when none was measured (a row from before schema 7)."""
+        points = [p for p in json.loads(self.points or "[]") if family in (None, re.split("[@+]", p["label"])[0])]
+        fits = [p for p in points if p["kl"] <= target_kl]
+        return (max(fits, key=lambda p: p["speedup"]) if fits else min(points, key=lambda p: p["kl"]))["label"] \
+            if points else None
 
 
 class Database:

@@ -62,15 +62,16 @@ class RagCache(Parts):
                retrieval: str | None = None) -> list[ChunkHit]:
         return self.corpus.search(query, namespace, k, retrieval)
 
-    def policy_for(self, mode: str, ratio: float | None = None, k: int | None = None):
-        return self.generation.policy_for(mode, ratio, k)
+    def policy_for(self, mode: str, ratio: float | None = None, k: int | None = None,
+                   target_kl: float | None = None):
+        return self.generation.policy_for(mode, ratio, k, target_kl)
 
     def generate(self, query: str, namespace: str = "default", top_k: int | None = None, mode: str | None = None,
                  ratio: float | None = None, k: int | None = None, max_new_tokens: int | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, retrieval: str | None = None,
-                 rerank: int | None = None) -> dict:
+                 rerank: int | None = None, target_kl: float | None = None) -> dict:
         return self.generation.generate(Ask(query, namespace, top_k, mode, ratio, k, max_new_tokens, temperature,
-                                            top_p, seed, retrieval=retrieval, rerank=rerank))
+                                            top_p, seed, retrieval=retrieval, rerank=rerank, target_kl=target_kl))
 
     def close(self) -> None:
         self.jobs.close()

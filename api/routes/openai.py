@@ -57,7 +57,8 @@ def _ask(req: ChatRequest, who: Caller) -> Ask:
     return Ask(query, rag.namespace, rag.top_k, rag.mode, rag.recompute_ratio, rag.epic_k,
                req.max_completion_tokens or req.max_tokens, req.temperature, req.top_p, req.seed,
                history=tuple(history), system="\n\n".join(system) if system else None, explain=rag.explain,
-               ignore_eos=req.ignore_eos, retrieval=rag.retrieval, rerank=rag.rerank, tenant=who.tenant)
+               ignore_eos=req.ignore_eos, retrieval=rag.retrieval, rerank=rag.rerank, tenant=who.tenant,
+               target_kl=rag.target_kl)
 
 
 def _usage(result: dict) -> dict:
@@ -67,7 +68,8 @@ def _usage(result: dict) -> dict:
 
 
 def _rag(result: dict) -> dict:
-    return {k: result[k] for k in ("request_id", "mode", "chunks", "usage", "timings_ms", "explain") if k in result}
+    return {k: result[k] for k in ("request_id", "mode", "policy", "chunks", "usage", "timings_ms", "explain")
+            if k in result}
 
 
 def _finish(result: dict) -> str:

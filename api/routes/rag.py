@@ -23,7 +23,7 @@ async def generate(req: GenerateRequest, request: Request, who: Caller = Depends
     who.allow(req.namespace)
     ask = Ask(req.query, req.namespace, req.top_k, req.mode, req.recompute_ratio, req.epic_k, req.max_tokens,
               req.temperature, req.top_p, req.seed, explain=req.explain, ignore_eos=req.ignore_eos,
-              retrieval=req.retrieval, rerank=req.rerank, tenant=who.tenant)
+              retrieval=req.retrieval, rerank=req.rerank, tenant=who.tenant, target_kl=req.target_kl)
     stream, first = await start_generation(request, ask)
     if not req.stream:
         result = first[1] if first[0] == "done" else await stream.result(request)

@@ -112,9 +112,10 @@ async function ask(ev) {
   const mode = $("#ask-mode").value;
   const body = {
     query: $("#ask-query").value.trim(), namespace: $("#ask-namespace").value.trim(),
-    top_k: parseInt($("#ask-topk").value, 10), mode,
+    top_k: parseInt($("#ask-topk").value, 10), mode: mode || null,  // "": the server's RAGCACHE_MODE
     recompute_ratio: RATIO_MODES.includes(mode) ? parseFloat($("#ask-ratio").value) : null,
     epic_k: mode === "epic" ? parseInt($("#ask-epic-k").value, 10) : null,
+    target_kl: ["auto", "adaptive"].includes(mode) && $("#ask-target-kl").value !== "" ? parseFloat($("#ask-target-kl").value) : null,
     max_tokens: parseInt($("#ask-max").value, 10), stream: true, explain: true,
   };
   sessionStorage.setItem(NS_STORE, body.namespace);

@@ -71,7 +71,8 @@ def fidelity(service, dataset: str, codecs: list[str], passages: list[int], limi
     rows = []
     for n in passages:
         cfg = EvalConfig(Path(dataset), modes=["reuse", "cacheblend", "epic", "probe"], ratios=[0.15], epic_ks=[16],
-                         probe_ratios=[0.1], top_k=n, chunk_prefill="prefixed", kv_dtype="float32", max_new_tokens=16)
+                         probe_ratios=[0.1], probe_layers=[0], ape=[], top_k=n, chunk_prefill="prefixed",
+                         kv_dtype="float32", max_new_tokens=16)
         modes = policies(cfg)[1:]  # full is the reference
         stores = {}
         for codec in ["raw", *codecs]:

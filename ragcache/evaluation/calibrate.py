@@ -1,7 +1,11 @@
-"""`ragcache calibrate`: the fastest mode that keeps fidelity within a KL target, stored per model."""
+"""`ragcache calibrate`: every mode measured on dev data, stored per model; the fastest within a KL target
+is what `mode: auto` serves, and a request's own `target_kl` picks again among the same points."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+
+from blend.labels import parse
 
 from ..errors import UserError
 from ..meta import ModelDefault
@@ -10,14 +14,12 @@ from .evaluate import EvalConfig, evaluate
 
 @dataclass
 class Choice:
-    mode: str
-    param: float | None
+    label: str
     kl: float
     speedup: float
 
     def line(self) -> str:
-        label = self.mode if self.param is None else f"{self.mode}@{self.param:g}"
-        return (f"default for this model: {label} (mean teacher-forced KL {self.kl:.4f} nats, "
+        return (f"default for this model: {self.label} (mean teacher-forced KL {self.kl:.4f} nats, "
                 f"{self.speedup:.1f}× faster to first token than full prefill); `mode: auto` uses it")
 
 
@@ -25,13 +27,17 @@ def calibrate(service, cfg: EvalConfig, target_kl: float, progress: bool = True)
     if not target_kl >= 0:  # NaN too
         raise UserError("--target-kl must be >= 0")
     results = evaluate(service, cfg, progress)
-    # a label with a "+" (a probe through fewer layers, APE) is measured but not a mode@param a request names
-    fits = [(m["speedup_vs_full"], label, m["kl_tf"]) for label, m in results["modes"].items()
-            if m["kl_tf"] <= target_kl and "+" not in label]
-    speedup, label, measured = max(fits)  # full (KL 0) always fits
-    mode, _, param = label.partition("@")
-    choice = Choice(mode, float(param) if param else None, measured, speedup)
+    points = [{"label": label, "kl": m["kl_tf"], "speedup": m["speedup_vs_full"]}
+              for label, m in results["modes"].items()]
+    row = ModelDefault(fingerprint=service.model.fingerprint, target_kl=target_kl, dataset=str(cfg.dataset),
+                       points=json.dumps(points))
+    label = row.fastest(target_kl)  # full (KL 0) always fits
+    chosen = results["modes"][label]
+    policy = parse(label)  # the columns from before schema 7: the mode and its knob, for an older reader
+    base = getattr(policy, "policy", policy)
+    row.mode, row.param = base.name, next((getattr(base, k) for k in ("ratio", "k", "coverage") if hasattr(base, k)),
+                                          None)
+    row.measured_kl, row.speedup = chosen["kl_tf"], chosen["speedup_vs_full"]
     with service.db.session() as s:
-        s.merge(ModelDefault(fingerprint=service.model.fingerprint, mode=mode, param=choice.param,
-                             target_kl=target_kl, measured_kl=measured, speedup=speedup, dataset=str(cfg.dataset)))
-    return choice
+        s.merge(row)
+    return Choice(label, chosen["kl_tf"], chosen["speedup_vs_full"])

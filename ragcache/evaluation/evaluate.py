@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from blend import (A3, BlendQ, CacheBlend, Epic, Full, Prefix, Probe, Reuse, compute_chunk, fuse_and_prefill,
+from blend import (A3, Adaptive, BlendQ, CacheBlend, Epic, Full, Prefix, Probe, Reuse, compute_chunk, fuse_and_prefill,
                    tokens_only)
 from blend.decode import Sampling, decode
+from blend.labels import label
 from blend.reweight import Reweight, Reweighted
 from blend.prompt import as_ids, encode
 
@@ -40,13 +41,17 @@ from .scores import best_f1, f1, kl
 @dataclass
 class EvalConfig:
     dataset: Path
-    modes: list[str] = field(default_factory=lambda: list(EVAL_MODES))
-    ratios: list[float] = field(default_factory=lambda: [0.05, 0.15, 0.3, 0.5])
-    epic_ks: list[int] = field(default_factory=lambda: [4, 16, 32])
-    probe_ratios: list[float] = field(default_factory=lambda: [0.03, 0.15, 0.2])
+    # the defaults are a plain `ragcache eval`'s: the frontier measured so far and the baselines it is held against
+    modes: list[str] = field(default_factory=lambda: ["full", "reuse", "cacheblend", "epic", "probe", "adaptive"])
+    ratios: list[float] = field(default_factory=lambda: [0.15])
+    epic_ks: list[int] = field(default_factory=lambda: [16])
+    probe_ratios: list[float] = field(default_factory=lambda: [0.02, 0.1])
     probe_epic_k: int = 0  # EPIC's first k per chunk inside every probe budget
-    probe_layers: list[int] = field(default_factory=lambda: [0])  # layers the probe runs through; 0: all
-    ape: list[tuple[float, float]] = field(default_factory=list)  # (temperature, factor): each mode again with APE
+    probe_layers: list[int] = field(default_factory=lambda: [0, 4])  # layers the probe runs through; 0: all
+    coverages: list[float] = field(default_factory=lambda: [Adaptive.coverage])  # adaptive: attention covered
+    adaptive_layers: int = Adaptive.layers  # adaptive: layers its probe runs through
+    # (temperature, factor): each mode again with APE; the server's default
+    ape: list[tuple[float, float]] = field(default_factory=lambda: [(1.0, 0.5)])
     a3_ratios: list[float] = field(default_factory=lambda: [0.15])
     a3_window: int = 2
     blendq_ratios: list[float] = field(default_factory=lambda: [0.12])
@@ -85,27 +90,27 @@ def _is_question(item) -> bool:
 
 
 def policies(cfg: EvalConfig) -> list[tuple[str, object]]:
-    """(label, policy) in the results' naming: full, reuse, prefix, cacheblend@0.15, epic@16, …; a probe
-    through fewer layers is probe@0.1+layers@8, a mode with APE re-weighting cacheblend@0.15+ape@0.9,0.8."""
+    """(label, policy) in the results' naming: full, reuse, prefix, cacheblend@0.15, epic@16, adaptive@0.9 (its
+    coverage), …; a probe through fewer layers is probe@0.1+layers@8, a mode with APE re-weighting cacheblend@0.15+ape@0.9,0.8."""
     unknown = set(cfg.modes) - set(EVAL_MODES)
     if unknown:
         raise UserError(f"unknown mode(s) {', '.join(sorted(unknown))}: use {', '.join(EVAL_MODES)}")
-    out = [("full", Full())]  # the reference: always measured
-    out += [("reuse", Reuse())] if "reuse" in cfg.modes else []
-    out += [("prefix", Prefix())] if "prefix" in cfg.modes else []
+    out = [Full()]  # the reference: always measured
+    out += [Reuse()] if "reuse" in cfg.modes else []
+    out += [Prefix()] if "prefix" in cfg.modes else []
     try:
-        out += [(f"cacheblend@{r:g}", CacheBlend(ratio=r)) for r in cfg.ratios] if "cacheblend" in cfg.modes else []
-        out += [(f"epic@{k}", Epic(k=k)) for k in cfg.epic_ks] if "epic" in cfg.modes else []
-        out += ([(f"probe@{r:g}" + (f"+layers@{n}" if n else ""), Probe(r, cfg.probe_epic_k, n))
-                 for n in cfg.probe_layers for r in cfg.probe_ratios] if "probe" in cfg.modes else [])
-        out += [(f"a3@{r:g}", A3(r, window=cfg.a3_window)) for r in cfg.a3_ratios] if "a3" in cfg.modes else []
-        out += ([(f"blendq@{r:g}", BlendQ(r, window=cfg.a3_window)) for r in cfg.blendq_ratios]
-                if "blendq" in cfg.modes else [])
+        out += [CacheBlend(ratio=r) for r in cfg.ratios] if "cacheblend" in cfg.modes else []
+        out += [Epic(k=k) for k in cfg.epic_ks] if "epic" in cfg.modes else []
+        out += ([Probe(r, cfg.probe_epic_k, n) for n in cfg.probe_layers for r in cfg.probe_ratios]
+                if "probe" in cfg.modes else [])
+        out += [Adaptive(c, cfg.adaptive_layers) for c in cfg.coverages] if "adaptive" in cfg.modes else []
+        out += [A3(r, window=cfg.a3_window) for r in cfg.a3_ratios] if "a3" in cfg.modes else []
+        out += [BlendQ(r, window=cfg.a3_window) for r in cfg.blendq_ratios] if "blendq" in cfg.modes else []
         ape = [Reweight(t, f) for t, f in cfg.ape]
     except ValueError as e:  # a knob out of range, named by the policy
         raise UserError(str(e)) from None
-    return out + [(f"{label}+{rw.label}", Reweighted(policy, rw)) for rw in ape for label, policy in out
-                  if policy.reads_chunk_kv]
+    out += [Reweighted(policy, rw) for rw in ape for policy in out if policy.reads_chunk_kv]
+    return [(label(policy), policy) for policy in out]
 
 
 class _Passages:

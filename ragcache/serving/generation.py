@@ -20,9 +20,10 @@ from blend import ChunkKV, KVCache, fuse_and_prefill, make_policy, tokens_only
 from blend.batch import decode_batch
 from blend.reweight import Reweight, Reweighted
 from blend.decode import Sampling
+from blend.labels import parse
 from blend.prompt import as_ids, conversation
 
-from ..config import RATIO_MODES
+from ..config import RATIO_MODES, Settings
 from ..corpus.corpus import Corpus, check_query
 from ..corpus.ingest import same_tokenizer, unpack_ids
 from ..errors import NotFound, UserError
@@ -55,11 +56,24 @@ class Ask:
     retrieval: str | None = None  # dense | bm25 | hybrid; None: RAGCACHE_RETRIEVAL
     rerank: int | None = None  # candidates reranked by query likelihood (0: none); None: RAGCACHE_RERANK
     tenant: str | None = None  # whose share it counts against (the caller's key); None: its namespace
+    target_kl: float | None = None  # auto, adaptive: the calibrated point within this KL of full prefill
 
     @property
     def who(self) -> str:
         """The tenant the fairness limits count this request against."""
         return self.tenant or self.namespace
+
+
+def _calibrated(default: ModelDefault, target_kl: float, family: str | None) -> str | None:
+    """The label calibrate measured fastest within `target_kl`; None when there is none it can serve (not
+    measured, or points this version cannot read: the row's mode and knob serve instead)."""
+    try:
+        label = default.fastest(target_kl, family)
+        if label is not None:
+            parse(label)
+        return label
+    except (ValueError, TypeError, KeyError):  # a damaged or foreign `points`: never a 500 per request
+        return None
 
 
 @dataclass
@@ -76,22 +90,34 @@ class Generation:
         self.totals = Totals()
         self.prefixes = PrefixCache(parts)  # other system prompts' KV
 
-    def policy_for(self, mode: str, ratio: float | None = None, k: int | None = None):
-        """A selection policy; `auto` is what `ragcache calibrate` chose for this model."""
+    def policy_for(self, mode: str, ratio: float | None = None, k: int | None = None, target_kl: float | None = None):
+        """A selection policy. `auto` serves the mode `ragcache calibrate` measured fastest within `target_kl`
+        (else within the calibration's own target) exactly as measured, APE and probe depth included;
+        `adaptive` takes the coverage measured to reach it."""
+        s = self.p.settings
         asked = mode
-        if mode == "auto":
-            with self.p.db.session() as s:
-                default = s.get(ModelDefault, self.p.model.fingerprint)
-            if default is None:
-                mode = "cacheblend"
-            else:
+        if target_kl is not None and mode not in ("auto", "adaptive"):
+            raise UserError(f"target_kl applies to mode auto or adaptive, not {mode}")
+        if mode == "auto" or (mode == "adaptive" and target_kl is not None):
+            with self.p.db.session() as ss:
+                default = ss.get(ModelDefault, self.p.model.fingerprint)
+            target = target_kl if target_kl is not None or default is None else default.target_kl
+            label = None if default is None else _calibrated(default, target, None if mode == "auto" else mode)
+            if label is not None:
+                return parse(label)
+            if target_kl is not None:
+                raise UserError(f"target_kl needs this model's {mode} mode measured: run `ragcache calibrate` first "
+                                "(or leave target_kl out)")
+            if default is None:  # nothing calibrated: the configured mode, or the built-in one
+                mode = asked = s.mode if s.mode != "auto" else Settings.model_fields["mode"].default
+            else:  # a calibration from before schema 7: its mode and knob
                 mode = default.mode
                 ratio = default.param if mode in RATIO_MODES else ratio
                 k = int(default.param) if mode == "epic" and default.param is not None else k
-        s = self.p.settings
         knobs = {"cacheblend": {"ratio": s.cacheblend_ratio if ratio is None else ratio},
+                 "probe": {"ratio": s.probe_ratio if ratio is None else ratio},
                  "epic": {"k": s.epic_k if k is None else k}}.get(mode, {})
-        if mode in RATIO_MODES and mode != "cacheblend" and ratio is not None:
+        if mode in RATIO_MODES and mode not in ("cacheblend", "probe") and ratio is not None:
             knobs = {"ratio": ratio}  # else the policy's own default
         if mode == "probe" and asked == "probe" and s.probe_layers:  # auto serves what calibrate measured
             knobs["layers"] = s.probe_layers
@@ -162,7 +188,7 @@ class Generation:
         p = self.p
         times = {"start": time.perf_counter() if start is None else start}
         check_query(ask.query)
-        policy = self.policy_for(ask.mode or p.settings.mode, ask.ratio, ask.epic_k)
+        policy = self.policy_for(ask.mode or p.settings.mode, ask.ratio, ask.epic_k, ask.target_kl)
         if ask.max_new_tokens is not None and ask.max_new_tokens > p.settings.max_tokens_cap:
             raise UserError(f"max_tokens {ask.max_new_tokens} is over this server's cap of "
                             f"{p.settings.max_tokens_cap} (RAGCACHE_MAX_TOKENS_CAP)")

@@ -15,6 +15,7 @@ import torch
 
 from blend.decode import Sampling, pick
 from blend.fuse import layout_of
+from blend.labels import label
 
 from .explain import explain
 from .textstream import TextStream
@@ -104,6 +105,7 @@ class Sequence:
             "request_id": uuid.uuid4().hex[:16],
             "answer": self.stream.sent,
             "mode": p.policy.name,
+            "policy": label(p.policy),  # what served it, knobs and APE included (what `auto` picked)
             "finish_reason": self.finish_reason,
             "chunks": [{"id": h.id, "doc_id": h.doc_id, "score": round(h.score, 4), "tier": tier,
                         "heading": h.heading, "page": h.page} for h, tier in zip(p.hits, p.tiers)],

@@ -21,6 +21,7 @@ def test_generate_returns_answer_chunks_usage_timings(api_server):
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["answer"] and out["mode"] == "cacheblend" and len(out["chunks"]) == 3
+    assert out["policy"] == "cacheblend@0.15+ape@1,0.5"  # the server's APE, on by default
     assert {c["tier"] for c in out["chunks"]} <= {"gpu", "cpu", "disk", "redis", "computed"}
     u = out["usage"]
     assert u["prompt_tokens"] == u["reused_tokens"] + u["recomputed_tokens"] and 0 < u["recomputed_tokens"]
@@ -63,6 +64,7 @@ def test_bad_requests_are_named_4xx(api_server):
         ({"query": "   ", "namespace": api_server.namespace}, 400, None),
         ({"query": "x", "namespace": "no-such-namespace"}, 404, None),
         ({"query": "x", "namespace": api_server.namespace, "max_tokens": 7000}, 400, None),  # over the cap
+        ({"query": "x", "target_kl": -0.1}, 422, "target_kl"),
     ]
     with api_server.client() as c:
         for body, status, param in cases:
@@ -70,6 +72,10 @@ def test_bad_requests_are_named_4xx(api_server):
             assert r.status_code == status, (body, r.text)
             err = r.json()["error"]
             assert err["message"] and (param is None or err["param"] == param), (body, err)
+        for body, says in [({"mode": "epic", "target_kl": 0.05}, "applies to mode auto or adaptive"),
+                           ({"mode": "adaptive", "target_kl": 0.05}, "run `ragcache calibrate`")]:  # none here
+            r = c.post("/v1/rag/generate", json={"query": "x", "namespace": api_server.namespace, **body})
+            assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
         r = c.post("/v1/rag/generate", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 422 and "not valid JSON" in r.json()["error"]["message"]
         assert c.get("/no/such/route").json()["error"]["type"] == "not_found_error"

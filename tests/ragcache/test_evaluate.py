@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from blend import A3, BlendQ, Epic, Full, Probe
+from blend import A3, Adaptive, BlendQ, CacheBlend, Epic, Full, Probe, Reuse
 from blend.reweight import Reweight, Reweighted
+from blend.labels import parse
 from ragcache.config import Settings
 from ragcache.evaluation.evaluate import EvalConfig, load_dataset, policies
 from ragcache.evaluation.results import METRICS
@@ -32,13 +33,15 @@ def test_eval_writes_valid_results_and_full_recompute_matches_full(tmp_path, tin
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "ragcache.cli", "eval", "--dataset", str(tiny), "--top-k", "2",
                         "--modes", "full,reuse,cacheblend,epic,probe", "--ratios", "1.0,0.15", "--epic-k", "4",
-                        "--probe-ratios", "1.0,0.1", "--probe-epic-k", "2", "--chunk-prefill", "alone",
+                        "--probe-ratios", "1.0,0.1", "--probe-epic-k", "2", "--probe-layers", "0", "--no-ape",
+                        "--chunk-prefill", "alone",
                         "--max-new-tokens", "8", "--out", str(out), "--quiet"], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     res = json.loads((out / "results.json").read_text())
     assert {"model", "dataset", "n", "top_k", "modes", "per_question"} <= set(res) and res["n"] == 2
-    assert list(res["modes"]) == ["full", "reuse", "cacheblend@1", "cacheblend@0.15", "epic@4", "probe@1", "probe@0.1"]
+    assert list(res["modes"]) == ["full", "reuse", "cacheblend@1", "cacheblend@0.15", "epic@4", "probe@1+epic@2",
+                                 "probe@0.1+epic@2"]
     assert res["knobs"]["probe_epic_k"] == 2
     for m in res["modes"].values():
         assert set(m) == set(METRICS)
@@ -48,7 +51,7 @@ def test_eval_writes_valid_results_and_full_recompute_matches_full(tmp_path, tin
     assert exact["recompute_fraction"] == 1 and res["modes"]["reuse"]["recompute_fraction"] == 0
     assert exact["work_fraction"] == pytest.approx(1) and res["modes"]["reuse"]["work_fraction"] < 0.05
     assert res["modes"]["reuse"]["speedup_vs_full"] > 1
-    probe, probe_exact = res["modes"]["probe@0.1"], res["modes"]["probe@1"]
+    probe, probe_exact = res["modes"]["probe@0.1+epic@2"], res["modes"]["probe@1+epic@2"]
     assert probe_exact["kl_tf"] < 1e-6 and probe_exact["top1_agree"] == 1
     assert 0 < probe["recompute_fraction"] < probe["work_fraction"] < 0.5  # work counts the suffix and the probe
     assert (out / "results.csv").read_text().splitlines()[0] == "mode," + ",".join(METRICS)
@@ -60,18 +63,28 @@ def test_calibrate_stores_the_fastest_mode_within_the_target(tmp_path, tiny, smo
     from ragcache.meta import ModelDefault
     from ragcache.service import RagCache
 
-    service = RagCache(Settings(home=tmp_path / "home", model=str(smollm.path)))
+    service = RagCache(Settings(home=tmp_path / "home", model=str(smollm.path), ape_factor=1.0))  # APE off
     # also the other paths: passages found by FAISS, chunk KV read back from the disk tier
     cfg = EvalConfig(tiny, modes=["full", "reuse", "cacheblend"], ratios=[0.5], top_k=2, max_new_tokens=4,
-                     retrieval="dense", tier="disk")
+                     retrieval="dense", tier="disk", ape=[])
     choice = calibrate(service, cfg, target_kl=0.0, progress=False)
-    assert (choice.mode, choice.param) == ("full", None)  # nothing approximate has zero KL
+    assert choice.label == "full"  # nothing approximate has zero KL
     loose = calibrate(service, cfg, target_kl=10.0, progress=False)
-    assert loose.mode == "reuse" and loose.speedup > 1  # everything fits: the fastest wins
-    assert service.policy_for("auto").name == "reuse"
-    with service.db.session() as s:  # what calibrate stores for a query-aware mode, read back by `auto`
+    assert loose.label == "reuse" and loose.speedup > 1  # everything fits: the fastest wins
+    assert service.policy_for("auto") == Reuse()
+    with service.db.session() as s:
+        row = s.get(ModelDefault, service.model.fingerprint)
+        points = {p["label"]: p["kl"] for p in json.loads(row.points)}
+    assert set(points) == {"full", "reuse", "cacheblend@0.5"} and (row.mode, row.param) == ("reuse", None)
+    assert service.policy_for("auto", target_kl=0.0) == Full()  # a request's own target picks again
+    with pytest.raises(UserError, match="ragcache calibrate"):  # adaptive was not measured
+        service.policy_for("adaptive", target_kl=0.05)
+    with pytest.raises(UserError, match="auto or adaptive"):
+        service.policy_for("probe", target_kl=0.05)
+    assert service.policy_for("adaptive") == Adaptive()  # without a target: its own default coverage
+    with service.db.session() as s:  # a calibration from before schema 7 (a mode and its knob), read back by `auto`
         s.merge(ModelDefault(fingerprint=service.model.fingerprint, mode="probe", param=0.2, target_kl=0.1,
-                             measured_kl=0.05, speedup=5.0, dataset="x"))
+                             measured_kl=0.05, speedup=5.0, dataset="x", points=None))
     assert service.policy_for("auto") == Probe(ratio=0.2)
     assert service.policy_for("blendq", ratio=0.3) == BlendQ(ratio=0.3) and service.policy_for("a3") == A3()
     service.generation.p.settings = Settings(home=tmp_path / "home", model=str(smollm.path), ape_factor=0.5,
@@ -81,7 +94,21 @@ def test_calibrate_stores_the_fastest_mode_within_the_target(tmp_path, tiny, smo
     assert service.policy_for("probe", ratio=0.02) == Reweighted(Probe(0.02, layers=4), Reweight(1.0, 0.5))
     assert service.policy_for("auto") == Reweighted(Probe(0.2), Reweight(1.0, 0.5))  # as calibrate measured it
     assert service.policy_for("full") == Full()
+    service.generation.p.settings = Settings(home=tmp_path / "home", model=str(smollm.path))
+    served = service.policy_for(Settings().mode)  # the defaults: what measured best at cacheblend's speed
+    assert served == Reweighted(Probe(0.1), Reweight(1.0, 0.5)) and served.layers == 0
     service.close()
+
+
+def test_calibrated_points_give_the_fastest_within_a_target_else_the_closest():
+    from ragcache.meta import ModelDefault
+
+    points = [("full", 0.0, 1.0), ("reuse", 0.2, 30.0), ("probe@0.1+ape@1,0.5", 0.05, 6.0),
+              ("adaptive@0.5", 0.08, 12.0), ("adaptive@0.9+ape@1,0.5", 0.03, 5.0)]
+    row = ModelDefault(points=json.dumps([{"label": l, "kl": k, "speedup": s} for l, k, s in points]))
+    assert [row.fastest(t) for t in (0.0, 0.05, 0.1, 1.0)] == ["full", "probe@0.1+ape@1,0.5", "adaptive@0.5", "reuse"]
+    assert [row.fastest(t, "adaptive") for t in (0.01, 0.05, 0.1)] == ["adaptive@0.9+ape@1,0.5"] * 2 + ["adaptive@0.5"]
+    assert row.fastest(0.05, "epic") is None and ModelDefault().fastest(0.05) is None  # not measured
 
 
 def test_eval_labels_name_every_variant(tmp_path):
@@ -91,6 +118,15 @@ def test_eval_labels_name_every_variant(tmp_path):
     assert list(labels) == ["full", "reuse", "probe@0.1", "probe@0.1+layers@8", "reuse+ape@1,0.5",
                             "probe@0.1+ape@1,0.5", "probe@0.1+layers@8+ape@1,0.5"]
     assert labels["probe@0.1+layers@8+ape@1,0.5"] == Reweighted(Probe(0.1, layers=8), Reweight(1.0, 0.5))
+    more = dict(policies(EvalConfig(tmp_path / "x.json", modes=["cacheblend", "epic", "probe", "adaptive", "a3"],
+                                    ratios=[0.15], epic_ks=[16], probe_ratios=[0.1], probe_layers=[4], probe_epic_k=2,
+                                    coverages=[0.9], adaptive_layers=2, a3_window=1, ape=[(1.0, 0.5)])))
+    assert {"adaptive@0.9+layers@2+ape@1,0.5", "epic@16", "probe@0.1+layers@4+epic@2", "a3@0.15+window@1"} <= set(more)
+    for label, policy in {**labels, **more}.items():  # what `auto` serves is the policy its label names
+        assert parse(label) == policy, label
+    for bad in ("nope@1", "epic@x", "reuse@0.5", "probe@2", "cacheblend@0.1+layers@2", "reuse+ape@0,1"):
+        with pytest.raises(ValueError, match="nope|bad policy label"):
+            parse(bad)
     with pytest.raises(UserError, match="temperature and factor"):
         policies(EvalConfig(tmp_path / "x.json", modes=["reuse"], ape=[(0.0, 1.0)]))
 
