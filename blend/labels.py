@@ -19,12 +19,18 @@ _EXTRA = {"layers": (Probe, Adaptive), "epic": (Probe,), "window": (A3,), "max":
 _FIELD = {"layers": "layers", "epic": "epic_k", "window": "window", "max": "max_ratio"}
 
 
+def knob(policy) -> float | None:
+    """The policy's one knob (a ratio, epic's k, adaptive's coverage), APE aside; None for a mode without one."""
+    base = getattr(policy, "policy", policy)
+    return getattr(base, _KNOB[base.name]) if base.name in _KNOB else None
+
+
 def label(policy) -> str:
     if isinstance(policy, Reweighted):
         rw = policy.reweight
         return f"{label(policy.policy)}+{rw.label}"
-    knob = _KNOB.get(policy.name)
-    out = policy.name if knob is None else f"{policy.name}@{getattr(policy, knob):g}"
+    value = knob(policy)
+    out = policy.name if value is None else f"{policy.name}@{value:g}"
     for name, kinds in _EXTRA.items():
         value = getattr(policy, _FIELD[name], None)
         if isinstance(policy, kinds) and value != getattr(type(policy), _FIELD[name]):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from blend.labels import parse
+from blend.labels import knob, parse
 
 from ..errors import UserError
 from ..meta import ModelDefault
@@ -34,9 +34,7 @@ def calibrate(service, cfg: EvalConfig, target_kl: float, progress: bool = True)
     label = row.fastest(target_kl)  # full (KL 0) always fits
     chosen = results["modes"][label]
     policy = parse(label)  # the columns from before schema 7: the mode and its knob, for an older reader
-    base = getattr(policy, "policy", policy)
-    row.mode, row.param = base.name, next((getattr(base, k) for k in ("ratio", "k", "coverage") if hasattr(base, k)),
-                                          None)
+    row.mode, row.param = policy.name, knob(policy)
     row.measured_kl, row.speedup = chosen["kl_tf"], chosen["speedup_vs_full"]
     with service.db.session() as s:
         s.merge(row)

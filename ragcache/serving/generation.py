@@ -64,14 +64,12 @@ class Ask:
         return self.tenant or self.namespace
 
 
-def _calibrated(default: ModelDefault, target_kl: float, family: str | None) -> str | None:
-    """The label calibrate measured fastest within `target_kl`; None when there is none it can serve (not
-    measured, or points this version cannot read: the row's mode and knob serve instead)."""
+def _calibrated(default: ModelDefault, target_kl: float, family: str | None):
+    """The policy calibrate measured fastest within `target_kl`, as measured; None when there is none it can
+    serve (not measured, or points this version cannot read: the row's mode and knob serve instead)."""
     try:
         label = default.fastest(target_kl, family)
-        if label is not None:
-            parse(label)
-        return label
+        return None if label is None else parse(label)
     except (ValueError, TypeError, KeyError):  # a damaged or foreign `points`: never a 500 per request
         return None
 
@@ -102,9 +100,9 @@ class Generation:
             with self.p.db.session() as ss:
                 default = ss.get(ModelDefault, self.p.model.fingerprint)
             target = target_kl if target_kl is not None or default is None else default.target_kl
-            label = None if default is None else _calibrated(default, target, None if mode == "auto" else mode)
-            if label is not None:
-                return parse(label)
+            policy = None if default is None else _calibrated(default, target, None if mode == "auto" else mode)
+            if policy is not None:
+                return policy
             if target_kl is not None:
                 raise UserError(f"target_kl needs this model's {mode} mode measured: run `ragcache calibrate` first "
                                 "(or leave target_kl out)")
