@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -19,6 +19,8 @@ from ..meta import Chunk, Database, bump_index_versions, keys_in_use
 from ..meta import Document as DocRow
 from .chunking import Document, chunk_document
 from .versions import lock_document, serves
+
+_SLICE = 500  # external ids a lookup: under every database's bound on bound parameters
 
 
 @dataclass
@@ -55,28 +57,37 @@ def ingest_documents(db: Database, tokenizer, tokenizer_ids: list[str], docs: li
 
     Documents are chunked before the write transaction opens: SQLite's one write lock is never held
     while tokenizing. A document another process adds or replaces meanwhile is taken as found."""
-    report, new_ids = IngestReport(), {}  # external id → its new chunks' token ids (the last version wins)
+    docs = list({d.external_id: d for d in docs}.values())  # an id given twice: its last version
+    report, new_ids = IngestReport(), {}  # external id → its new chunks' token ids
+    ids = [d.external_id for d in docs]
     with db.session() as s:
-        existing, foreign = _existing(s, namespace, tokenizer_ids)
+        existing, foreign = _existing(s, namespace, tokenizer_ids, ids)
     chunked = {(d.external_id, d.text_hash): chunk_document(tokenizer, d, max_tokens) for d in docs
                if not _is_unchanged(existing.get(d.external_id), d, foreign)}
     with db.session() as s:
-        existing, foreign = _existing(s, namespace, tokenizer_ids)
+        existing, foreign = _existing(s, namespace, tokenizer_ids, ids)
+        added = _add_all(s, namespace, [d for d in docs if d.external_id not in existing])
+        rows = []  # the new chunks, inserted in one statement
         for doc in docs:
-            found = _document_row(s, existing, foreign, namespace, doc, tokenizer_ids, report)
-            if found is None:
+            if doc.external_id in added:
+                row, staged = added[doc.external_id], False
+                report.added += 1
+            elif (found := _document_row(s, existing, foreign, namespace, doc, tokenizer_ids, report)) is not None:
+                row, staged = found
+            else:
                 continue
-            row, staged = found
             specs = chunked.get((doc.external_id, doc.text_hash))
             if specs is None:  # changed by another process between the two looks: chunked here (rare)
                 specs = chunked[doc.external_id, doc.text_hash] = chunk_document(tokenizer, doc, max_tokens)
             new_ids[doc.external_id] = [spec.token_ids for spec in specs]
-            for spec in specs:
-                s.add(Chunk(document_id=row.id, namespace=namespace, ordinal=spec.ordinal, text=spec.text,
-                            heading=spec.heading or None, page=spec.page, n_tokens=len(spec.token_ids),
-                            token_ids=pack_ids(spec.token_ids), model=tokenizer_ids[0], staged=staged))
-                report.chunks_added += 1
+            rows += [dict(document_id=row.id, namespace=namespace, ordinal=spec.ordinal, text=spec.text,
+                          heading=spec.heading or None, page=spec.page, n_tokens=len(spec.token_ids),
+                          token_ids=pack_ids(spec.token_ids), model=tokenizer_ids[0], staged=staged)
+                     for spec in specs]
         s.flush()
+        if rows:
+            s.execute(insert(Chunk), rows)
+            report.chunks_added = len(rows)
         if report.removed_chunk_ids:
             bump_index_versions(s, [namespace])  # other processes drop the old chunks from their indexes
         if report.orphan_kv_keys:
@@ -87,12 +98,34 @@ def ingest_documents(db: Database, tokenizer, tokenizer_ids: list[str], docs: li
     return report
 
 
-def _existing(s: Session, namespace: str, tokenizer_ids: list[str]) -> tuple[dict[str, DocRow], set[int]]:
-    """The namespace's documents by external id, and the ids of those whose chunks another tokenizer made."""
-    existing = {d.external_id: d for d in s.scalars(select(DocRow).where(DocRow.namespace == namespace))}
-    foreign = set(s.scalars(select(Chunk.document_id).distinct().where(
-        Chunk.namespace == namespace, Chunk.model.not_in(tokenizer_ids))))
+def _existing(s: Session, namespace: str, tokenizer_ids: list[str],
+              external_ids: list[str]) -> tuple[dict[str, DocRow], set[int]]:
+    """Those of `external_ids` already in the namespace, and the ids of those whose chunks another
+    tokenizer made. Looked up a slice at a time: the cost follows the request, not the namespace."""
+    existing, foreign = {}, set()
+    for i in range(0, len(external_ids), _SLICE):
+        found = list(s.scalars(select(DocRow).where(DocRow.namespace == namespace,
+                                                    DocRow.external_id.in_(external_ids[i:i + _SLICE]))))
+        existing |= {d.external_id: d for d in found}
+        if found:
+            foreign |= set(s.scalars(select(Chunk.document_id).distinct().where(
+                Chunk.document_id.in_([d.id for d in found]), Chunk.model.not_in(tokenizer_ids))))
     return existing, foreign
+
+
+def _add_all(s: Session, namespace: str, docs: list[Document]) -> dict[str, DocRow]:
+    """New documents' rows by external id, added in one flush; none when a concurrent ingest added
+    one of the same ids meanwhile (each then goes the one-at-a-time way of `_document_row`)."""
+    rows = {d.external_id: DocRow(namespace=namespace, external_id=d.external_id, title=d.title,
+                                  text_hash=d.text_hash) for d in docs}
+    if not rows:
+        return {}
+    try:
+        with s.begin_nested():
+            s.add_all(rows.values())
+    except IntegrityError:
+        return {}
+    return rows
 
 
 def _is_unchanged(row: DocRow | None, doc: Document, foreign: set[int]) -> bool:

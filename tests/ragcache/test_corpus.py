@@ -93,6 +93,11 @@ def test_reingest_is_idempotent_and_a_changed_document_is_replaced(db, smollm):
     assert (retokenized.replaced, retokenized.unchanged) == (2, 0)  # same text, new tokenizer: not a no-op
     with db.session() as s:
         assert set(s.scalars(select(Chunk.model).where(Chunk.namespace == "ns2"))) == {"another tokenizer"}
+    twice = ingest_documents(db, tok, ["fp"], [Document("c", "", "First text."), Document("c", "", "Second.")], "ns", 64)
+    assert (twice.added, twice.replaced, twice.chunks_added) == (1, 0, 1)  # an id given twice: its last version
+    with db.session() as s:
+        c = s.scalars(select(DocRow).where(DocRow.external_id == "c")).one()
+        assert [t for t in s.scalars(select(Chunk.text).where(Chunk.document_id == c.id))] == ["Second."]
 
 
 def test_processes_starting_together_on_a_fresh_postgresql_take_turns():
