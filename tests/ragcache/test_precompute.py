@@ -166,7 +166,7 @@ def test_a_failing_chunk_is_recorded_and_the_job_goes_on(tmp_path, smollm):
     long = "word " * 9000  # past the model's 8192 positions: its prefill must fail
     docs.write_text(json.dumps({"id": "ok", "text": "Paris is in France."}) + "\n" +
                     json.dumps({"id": "huge", "text": long}) + "\n")
-    env = _env(tmp_path / "home", smollm, RAGCACHE_CHUNK_TOKENS=20000)
+    env = _env(tmp_path / "home", smollm, RAGCACHE_CHUNK_TOKENS=20000, RAGCACHE_RETRY_BACKOFF_S=0.1)
     assert _ragcache("ingest", str(docs), env=env).returncode == 0
     r = _ragcache("precompute", "--quiet", env=env)
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "done=1 failed=1 skipped=0", r.stdout + r.stderr
