@@ -1,6 +1,8 @@
 """Each Triton kernel against its torch reference (TRITON_INTERPRET=1 on CPU; natively on CUDA)."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -212,6 +214,22 @@ def test_cpu_int8_attention_matches_reference(h, hkv, hd, t, rows):
     ours = cpu_int8.attention(q, k[:, :t], v[:, :t], pos, hd**-0.5, ks[:, :t], vs[:, :t])
     ref = reference.compact_attention(q, k[:, :t], v[:, :t], pos, hd**-0.5, ks[:, :t], vs[:, :t])
     assert torch.allclose(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_int8_attention_off_the_main_thread_runs_on_tbb():
+    """The server's model thread is not the main thread: there numba's OpenMP layer ran a decode step 5x
+    slower than TBB's (BENCHMARKS.md, issue 24 part B), so the kernel must run on TBB, and agree."""
+    import numba
+
+    from blend.kernels import cpu_int8
+
+    (k, ks), (v, vs) = _compact(torch.randn(3, 600, 64), torch.int8), _compact(torch.randn(3, 600, 64), torch.int8)
+    q, pos, out = torch.randn(2, 9, 64), torch.tensor([598, 599]), {}
+    worker = threading.Thread(target=lambda: out.update(o=cpu_int8.attention(q, k, v, pos, 0.125, ks, vs)))
+    worker.start()
+    worker.join()
+    assert numba.threading_layer() == "tbb"
+    assert torch.allclose(out["o"], reference.compact_attention(q, k, v, pos, 0.125, ks, vs), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("q_dtype,kv_dtype", COMPACT)
