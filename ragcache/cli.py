@@ -212,10 +212,9 @@ def main(argv: list[str] | None = None, extend=None) -> int:
         err = e.errors()[0]
         print(f"ragcache: error: setting {'.'.join(map(str, err['loc']))}: {err['msg']}", file=sys.stderr)
         return 2
-    if settings.threads:
-        import torch
+    from blend.cores import claim_cores
 
-        torch.set_num_threads(settings.threads)  # a share of the cores (a job the server started)
+    claim_cores(settings.threads)  # a share of the cores (a job the server started), or every core
     try:
         return args.func(args, settings)
     except UserError as e:

@@ -25,8 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch
 from sqlalchemy import select
+
+from blend.cores import claim_cores, one_core
 
 from ..config import Settings
 from ..corpus.corpus import Corpus
@@ -112,7 +113,7 @@ def run_precompute(settings: Settings, workers: int = 1, namespace: str | None =
 
 
 def _worker_main(settings: dict, job_id: int, namespace: str | None, run: str, i: int, threads: int) -> None:
-    torch.set_num_threads(threads)  # workers share the cores
+    claim_cores(threads)  # workers share the cores
     parts = Parts(Settings(**settings))
     try:
         _work(parts, job_id, namespace, claims.worker_id(run, i))
@@ -129,7 +130,7 @@ def _work(parts: Parts, job_id: int, namespace: str | None, worker: str, on_batc
     """
     db, cfg = parts.db, parts.settings
     lease = timedelta(seconds=cfg.lease_seconds)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-write") as writer, \
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-write", initializer=one_core) as writer, \
             claims.Heartbeat(db, worker, lease) as heartbeat:
         while True:
             batch = claims.claim(db, namespace, worker, cfg.precompute_batch, lease, job_id)

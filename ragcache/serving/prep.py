@@ -17,6 +17,8 @@ import logging
 import threading
 from typing import Callable
 
+from blend.cores import one_core
+
 from ..errors import UserError
 from .fair import Inbox
 from .sequence import Prepared
@@ -50,6 +52,7 @@ class PrepThread:
         self._thread.join(timeout=60)
 
     def _loop(self) -> None:
+        one_core()
         while (ticket := self._inbox.get()) is not None:
             if ticket.cancelled.is_set() or self._stop:
                 self._fail(ticket, None)

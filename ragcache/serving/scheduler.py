@@ -33,9 +33,8 @@ import threading
 import time
 from typing import Any, Callable
 
-import torch
-
 from blend.batch import decode_batch, fuse_batch
+from blend.cores import claim_cores
 
 from .admission import Admission, Limits
 from .piecewise import Piecewise
@@ -58,7 +57,6 @@ class Scheduler:
         self._piecewise: Piecewise | None = None  # a long prompt recomputed across steps
         self._piece_next = True  # whether the next step runs the piecewise prefill's piece, or offers a batch
         self._stop = False
-        self._threads = 0
         self._side = SideWorker(self._cond, self.admission.leave)  # both share the lock
         self._prep_thread = PrepThread(service, self._cond, self._hand_over, self.admission.leave, self._side)
         self._model_thread = threading.Thread(target=self._model_loop, name="ragcache-model", daemon=True)
@@ -270,10 +268,7 @@ class Scheduler:
 
     def _share_cores(self) -> None:
         """Take every core, less what running precompute jobs use (read without the jobs lock: never a wait)."""
-        n = self.service.settings.thread_count(self.service.jobs.working())
-        if n != self._threads:
-            torch.set_num_threads(n)
-            self._threads = n
+        claim_cores(self.service.settings.thread_count(self.service.jobs.working()))
 
     # ---- shutting down --------------------------------------------------------------------------
 

@@ -15,6 +15,8 @@ import logging
 import threading
 from typing import Callable
 
+from blend.cores import one_core
+
 from ..errors import UserError
 from .fair import Inbox
 from .ticket import Ticket
@@ -49,6 +51,7 @@ class SideWorker:
         self._thread.join(timeout=60)
 
     def _loop(self) -> None:
+        one_core()
         while (item := self._inbox.get()) is not None:
             ticket, counted = item
             with self._cond:

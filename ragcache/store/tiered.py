@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 from sqlalchemy import select
 
+from blend.cores import one_core
+
 from ..meta import Database, KVEntry, utcnow
 from . import pins
 from .codec import CorruptBlob, StoredKV, checksum, from_bytes, to_bytes
@@ -72,7 +74,7 @@ class TieredStore:
         self.ladder = MemoryLadder(memory_tiers, policy, self._lock, self._pinned, self.evictions, self._spill)
         self.guard = TierGuard(retry_s)
         self._io = self.guard.call
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-load")
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-load", initializer=one_core)
         self.recover(orphan_grace_s)
 
     # ---- writes ------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from blend.cores import claim_cores
 from blend.prompt import QUESTION, chat_frame, conversation, encode
 from ragcache.config import Settings
 from ragcache.errors import Busy
@@ -130,6 +131,22 @@ def test_errors_reach_the_caller_and_the_thread_lives_on():
     kind, error = _call(sched, lambda: 1 / 0)
     assert kind == "error" and isinstance(error, ZeroDivisionError)
     assert _call(sched, lambda: 42) == ("done", 42)
+    sched.close()
+
+
+def test_side_work_runs_torch_on_one_core_and_leaves_the_others_their_count():
+    """Only the computing thread may keep an OpenMP team (blend/cores.py): a second team made every decode
+    step 1.3x slower. The count is per thread: the side worker's 1 reaches neither the caller, which
+    claimed its count, nor a thread that starts later and claims its own."""
+    claim_cores()
+    before = torch.get_num_threads()
+    sched = _scheduler(max_queue=4)
+    assert _call(sched, torch.get_num_threads) == ("done", 1)
+    later = []
+    worker = threading.Thread(target=lambda: (claim_cores(2), later.append(torch.get_num_threads())))
+    worker.start()
+    worker.join()
+    assert torch.get_num_threads() == before and later == [2]
     sched.close()
 
 
