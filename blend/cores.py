@@ -5,7 +5,7 @@ torch's OpenMP runtime keeps a team of worker threads for every thread that runs
 threads own teams there are more OpenMP threads than cores, and the runtime stops spinning between
 parallel regions: every op of the computing thread then waits for its workers to wake (a decode step on
 this 2-core machine: 55 ms when one thread runs torch, 76 ms once another has too). So every other thread
-that runs torch (the server's prep thread, side worker and KV loaders; a job's KV writer) runs it on one
+that runs torch (the server's prep thread, side worker, KV loaders and layer-wise decoders; a job's KV writer) runs it on one
 core and starts no team: `one_core()`.
 
 torch keeps the count per thread, but `set_num_threads` also sets the process-wide default that a thread

@@ -14,6 +14,7 @@ import threading
 import torch
 
 from blend import ChunkKV
+from blend.cores import one_core
 
 from .codec import StoredKV, decode_layer
 from .compact import Decoder
@@ -33,6 +34,7 @@ class _Arrivals:
                 raise self._error
 
     def run(self, entries: list[StoredKV], chunks: list[ChunkKV]) -> None:
+        one_core()  # a thread a request: a team of its own each time would slow the model thread
         decoder = Decoder()
         try:
             for l in range(entries[0].shape[0]):
