@@ -78,6 +78,10 @@ def varlen_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Ten
         return triton_varlen.varlen_attention(q, ks, vs, q_pos, cu_rows, scale, scales)
     if ks[0].dtype == q.dtype:
         return reference.varlen_attention(q, ks, vs, q_pos, cu_rows, scale, plans)
+    if ks[0].dtype == torch.int8 and q.dtype == torch.float32:
+        from . import cpu_int8  # numba compiles it on first use
+
+        return cpu_int8.varlen_attention(q, ks, vs, q_pos, cu_rows, scale, scales)  # one call: the cores share it
     scales = scales or [()] * len(ks)
     return torch.cat([selected_attention(q[a:b], k, v, q_pos[a:b], scale, scales=sc)
                       for a, b, k, v, sc in zip(cu_rows, cu_rows[1:], ks, vs, scales)])  # (N, H, hd)

@@ -1,11 +1,12 @@
-"""Attention over an int8 KV cache on the CPU, compiled by numba: the decode path of a compact cache.
+"""Attention over int8 KV caches on the CPU, compiled by numba: the decode path of compact caches.
 
-Torch has no float × int8 product that runs near memory speed on an AVX2 CPU (`_weight_int8pack_mm`
-falls back to scalar code there; widening int8 to float32 first writes four times the bytes it
-read), so the int8 keys and values are widened inside the loop, one row at a time, and everything
-accumulates in float32. The keys are split into blocks that run in parallel and merge by their
-log-sum-exps (flash-decoding), so even one sequence's decode row keeps every core busy.
-`reference.compact_attention` is this kernel's oracle.
+Torch has no float × int8 product that runs near memory speed here (`_weight_int8pack_mm` falls back
+to scalar code; widening int8 to float32 first writes four times the bytes it read), so the int8 keys
+and values are widened inside the loop, eight rows at a time, and everything accumulates in float32.
+One call serves every sequence of a decode batch: the work splits into (row, K/V head, block of
+keys) tasks that run in parallel and merge by their log-sum-exps (flash-decoding). numba runs them on
+TBB, whose workers wake too slowly for the ~0.2 ms of one sequence's layer: a call that small runs on
+the calling thread. `reference.compact_attention` is this kernel's oracle.
 """
 from __future__ import annotations
 
@@ -30,75 +31,93 @@ _load_tbb()
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from numba.core import cgutils, types  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
 
-BLOCK = 256  # keys per parallel task
+from .cpu_int8_loops import merge, scores, softmax, weigh  # noqa: E402
+
+BLOCK = 1024  # keys per parallel task
+PARALLEL_FROM = 1 << 15  # key × K/V-head reads (~1 ms) below which a call runs on one core: TBB wakes too slowly
+
+
+@intrinsic
+def _pointer(typingctx, address):
+    """An int64 address as a void pointer, for `numba.carray` (a sequence's cache is its own allocation)."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(types.int64), codegen
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True)
-def _attend(q, k, v, ks, vs, pos, scale, out, block):  # pragma: no cover — compiled
-    """q (n, H, hd) f32; k, v (Hkv, capacity, hd) int8; ks, vs (Hkv, capacity) f32; pos (n,) i64 ascending
-    → out (n, H, hd) f32. Keys past the last row's position are never read."""
+def _attend(q, seq, pos, addresses, capacity, hkv, scale, out, block):  # pragma: no cover — compiled
+    """q (n, H, hd) f32, row r of sequence seq[r] at position pos[r]; addresses (S, 4) int64 of sequence s's
+    K, V (Hkv, capacity[s], hd) int8 and K, V scales (Hkv, capacity[s]) f32 → out (n, H, hd) f32.
+    A row reads keys 0..pos[r] of its sequence's layer, never past."""
     n, h, hd = q.shape
-    hkv = k.shape[0]
     g = h // hkv
-    blocks = (pos[n - 1] + block) // block
-    m = np.full((n, hkv, blocks, g), -np.inf, dtype=np.float32)
-    l = np.zeros((n, hkv, blocks, g), dtype=np.float32)
-    acc = np.zeros((n, hkv, blocks, g, hd), dtype=np.float32)
-    for task in numba.prange(n * hkv * blocks):
-        r, j, c = task // (hkv * blocks), (task // blocks) % hkv, task % blocks
-        a, b = c * block, min((c + 1) * block, pos[r] + 1)  # causal by absolute position
-        if a >= b:
-            continue
-        qs = q[r, j * g : (j + 1) * g] * np.float32(scale)  # (g, hd)
-        s = np.empty((g, b - a), dtype=np.float32)
-        for t in range(a, b):
-            for i in range(g):
-                dot = np.float32(0)
-                for d in range(hd):
-                    dot += qs[i, d] * np.float32(k[j, t, d])
-                s[i, t - a] = dot * ks[j, t]
-        for i in range(g):
-            top = s[i].max()
-            total = np.float32(0)
-            o = acc[r, j, c, i]
-            for t in range(a, b):
-                p = np.exp(s[i, t - a] - top)
-                total += p
-                w = p * vs[j, t]
-                for d in range(hd):
-                    o[d] += w * np.float32(v[j, t, d])
-            m[r, j, c, i], l[r, j, c, i] = top, total
+    first = np.zeros(n + 1, dtype=np.int64)  # row r's blocks are tasks first[r] .. first[r+1]
     for r in range(n):
-        for j in range(hkv):
-            for i in range(g):
-                top = m[r, j, :, i].max()
-                total = np.float32(0)
-                o = np.zeros(hd, dtype=np.float32)
-                for c in range(blocks):
-                    if l[r, j, c, i] > 0:
-                        w = np.exp(m[r, j, c, i] - top)
-                        total += w * l[r, j, c, i]
-                        o += w * acc[r, j, c, i]
-                out[r, j * g + i] = o / total
+        first[r + 1] = first[r] + (pos[r] + block) // block
+    row = np.empty(first[n], dtype=np.int64)
+    for r in range(n):
+        row[first[r]:first[r + 1]] = r
+    m = np.full((first[n], hkv, g), -np.inf, dtype=np.float32)
+    l = np.zeros((first[n], hkv, g), dtype=np.float32)
+    acc = np.zeros((first[n], hkv, g, hd), dtype=np.float32)
+    for u in numba.prange(first[n] * hkv):
+        task, j = u // hkv, u % hkv
+        r = row[task]
+        a = (task - first[r]) * block
+        b = min(a + block, pos[r] + 1)
+        s, cap = seq[r], capacity[seq[r]]
+        k = numba.carray(_pointer(addresses[s, 0]), (hkv, cap, hd), np.int8)[j]
+        v = numba.carray(_pointer(addresses[s, 1]), (hkv, cap, hd), np.int8)[j]
+        ks = numba.carray(_pointer(addresses[s, 2]), (hkv, cap), np.float32)[j]
+        vs = numba.carray(_pointer(addresses[s, 3]), (hkv, cap), np.float32)[j]
+        p = np.empty((g, b - a), dtype=np.float32)  # (g, keys): scores, then weights
+        scores(q[r, j * g:(j + 1) * g] * np.float32(scale), k, ks, a, b, p)
+        softmax(p, vs, a, m[task, j], l[task, j])
+        weigh(p, v, a, b, acc[task, j])
+    for u in numba.prange(n * hkv):
+        r, j = u // hkv, u % hkv
+        merge(m[first[r]:first[r + 1], j], l[first[r]:first[r + 1], j], acc[first[r]:first[r + 1], j],
+              out[r, j * g:(j + 1) * g])
+
+
+def varlen_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], q_pos: torch.Tensor,
+                     cu_rows: list[int], scale: float, scales: list[tuple]) -> torch.Tensor:
+    """q (N, H, hd) float32, sequence i's rows q[cu_rows[i]:cu_rows[i+1]] at q_pos (N,) ascending within each;
+    ks[i], vs[i] (Hkv, T_i, hd) int8 with scales[i] = (k_scale, v_scale) (Hkv, T_i) float32, each a layer's
+    first rows (each row's hd contiguous) → (N, H, hd) float32."""
+    assert q.dtype == torch.float32 and all(k.dtype == v.dtype == torch.int8 for k, v in zip(ks, vs))
+    out = torch.empty(q.shape, dtype=torch.float32)
+    if not q.shape[0]:
+        return out
+    # numpy, not torch, from here: a torch op may wake torch's OpenMP team, whose spinning worker then
+    # holds the core TBB's worker needs (measured: no gain from a second core after one)
+    layers = [[_whole(t) for t in (k, v, *sc)] for k, v, sc in zip(ks, vs, scales)]  # keep them alive
+    addresses = np.array([[t.data_ptr() for t in ls] for ls in layers], dtype=np.int64)
+    capacity = np.array([ls[0].shape[1] for ls in layers], dtype=np.int64)
+    seq = np.repeat(np.arange(len(ks)), np.diff(cu_rows))
+    pos = q_pos.numpy()
+    hkv = ks[0].shape[0]
+    reads = (int(pos.sum()) + len(pos)) * hkv
+    numba.set_num_threads(1 if reads < PARALLEL_FROM else min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    _attend(q.contiguous().numpy(), seq, pos, addresses, capacity, hkv, scale, out.numpy(), BLOCK)
+    return out
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
               k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
-    """q (n, H, hd) float32 at q_pos (n,) ascending; k, v (Hkv, T, hd) int8 with k_scale, v_scale (Hkv, T)
-    float32, each row's hd contiguous → (n, H, hd) float32."""
-    assert q.dtype == torch.float32 and k.dtype == v.dtype == torch.int8, (q.dtype, k.dtype)
-    out = torch.empty(q.shape, dtype=torch.float32)
-    if q.shape[0]:
-        numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-        _attend(q.contiguous().numpy(), *(_whole(t).numpy() for t in (k, v, k_scale, v_scale)), q_pos.numpy(), scale,
-                out.numpy(), BLOCK)
-    return out
+    """One sequence: q (n, H, hd) float32 at q_pos (n,) ascending; k, v (Hkv, T, hd) int8 with k_scale, v_scale
+    (Hkv, T) float32 → (n, H, hd) float32."""
+    return varlen_attention(q, [k], [v], q_pos, [0, q.shape[0]], scale, [(k_scale, v_scale)])
 
 
 def _whole(x: torch.Tensor) -> torch.Tensor:
     """A cache layer's first rows, x[:, :T], as the contiguous (Hkv, capacity, ...) layer they were cut from:
-    that layout numba compiles to vector code (the kernel reads no row past the last position)."""
+    the kernel addresses that layer (it reads no row past the last position)."""
     row = x[0, 0].numel()
     assert x.stride(-1) == 1 and x.stride(1) == row and x.stride(0) % row == 0, x.stride()
     return x.as_strided((x.shape[0], x.stride(0) // row, *x.shape[2:]), x.stride())

@@ -216,6 +216,38 @@ def test_cpu_int8_attention_matches_reference(h, hkv, hd, t, rows):
     assert torch.allclose(ours, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("parallel_from", [0, 1 << 40])  # every call on TBB's cores; every call on one
+def test_cpu_int8_varlen_attention_is_each_sequence_alone(monkeypatch, parallel_from):
+    """One call for a whole decode batch: sequences of different lengths and capacities, one or several rows
+    each (a row past a block edge, one at key 0), each equal to its own attention over its own cache."""
+    from blend.kernels import cpu_int8
+
+    monkeypatch.setattr(cpu_int8, "PARALLEL_FROM", parallel_from)
+    lengths, caps, rows = [2471, 1030, 1, 600], [2600, 1030, 40, 700], [[2470], [1023, 1024, 1029], [0], [599]]
+    caches = [(_compact(torch.randn(3, c, 64), torch.int8), _compact(torch.randn(3, c, 64), torch.int8)) for c in caps]
+    ks, vs = [k[:, :t] for ((k, _), _), t in zip(caches, lengths)], [v[:, :t] for (_, (v, _)), t in zip(caches, lengths)]
+    scales = [(a[:, :t], b[:, :t]) for ((_, a), (_, b)), t in zip(caches, lengths)]
+    pos, cu = torch.tensor([p for r in rows for p in r]), [0, 1, 4, 5, 6]
+    q = torch.randn(len(pos), 9, 64)
+    ours = cpu_int8.varlen_attention(q, ks, vs, pos, cu, 0.125, scales)
+    for i, (a, b) in enumerate(zip(cu, cu[1:])):
+        ref = reference.compact_attention(q[a:b], ks[i], vs[i], pos[a:b], 0.125, *scales[i])
+        assert torch.allclose(ours[a:b], ref, atol=1e-5, rtol=1e-5), i
+
+
+def test_cpu_int8_exp_matches_libm_where_softmax_uses_it():
+    """The vectorized exp of the softmax: within a few float32 ulps of exp over the shifted scores' range."""
+    import numpy as np
+
+    from blend.kernels.cpu_int8_loops import exp_into
+
+    x = -np.concatenate([np.linspace(0, 87, 100_001), [1e-7, 0.5 * np.log(2), 87]]).astype(np.float32)
+    out = np.empty_like(x)
+    exp_into(x, out, np.empty(x.shape, dtype=np.int32))
+    rel = np.abs(out.astype(np.float64) / np.exp(x.astype(np.float64)) - 1)
+    assert rel.max() < 1e-6 and out[0] == 1.0
+
+
 def test_cpu_int8_attention_off_the_main_thread_runs_on_tbb():
     """The server's model thread is not the main thread: there numba's OpenMP layer ran a decode step 5x
     slower than TBB's (BENCHMARKS.md, issue 24 part B), so the kernel must run on TBB, and agree."""
