@@ -29,7 +29,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from .errors import UserError
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 _SCHEMA_LOCK = 0x7261676361636865  # PostgreSQL advisory lock key ("ragcache") for schema changes
 _MIGRATIONS: dict[int, list[str]] = {  # version → DDL statements that bring version-1 up to it
     2: ["ALTER TABLE jobs ADD COLUMN error TEXT"],  # (index_versions is a new table: create_all makes it)
@@ -44,6 +44,7 @@ _MIGRATIONS: dict[int, list[str]] = {  # version → DDL statements that bring v
         "DROP INDEX ux_chunks_doc_ordinal",  # version: the served one and the staged one
         "CREATE UNIQUE INDEX ux_chunks_doc_staged_ordinal ON chunks (document_id, staged, ordinal)"],
     7: ["ALTER TABLE model_defaults ADD COLUMN points TEXT"],
+    8: ["ALTER TABLE model_defaults ADD COLUMN ape VARCHAR(32)"],
 }
 
 
@@ -189,6 +190,7 @@ class ModelDefault(Base):
     dataset: Mapped[str] = mapped_column(Text)
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     points: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON [{label, kl, speedup}]: all measured
+    ape: Mapped[str | None] = mapped_column(String(32), nullable=True)  # "T,S": the APE measured best
 
     def fastest(self, target_kl: float, family: str | None = None) -> str | None:
         """The label of the fastest point measured within `target_kl` (of one mode's labels), else of the

@@ -123,8 +123,21 @@ class Generation:
             policy = make_policy(mode, **knobs)
         except ValueError as e:  # an unknown mode or a knob out of range, named by blend
             raise UserError(str(e)) from None
-        ape = Reweight(s.ape_temperature, s.ape_factor)
+        ape = self._ape()
         return Reweighted(policy, ape) if ape.active and policy.reads_chunk_kv else policy
+
+    def _ape(self) -> Reweight:
+        """The APE the settings name (RAGCACHE_APE_TEMPERATURE/FACTOR); where they name none, the one `ragcache
+        calibrate` measured best for this model; else the built-in default."""
+        s = self.p.settings
+        if not {"ape_temperature", "ape_factor"} & s.model_fields_set:
+            with self.p.db.session() as ss:
+                default = ss.get(ModelDefault, self.p.model.fingerprint)
+            try:
+                return Reweight(*map(float, default.ape.split(",")))
+            except (AttributeError, TypeError, ValueError):  # none calibrated, or a damaged value: the default
+                pass
+        return Reweight(s.ape_temperature, s.ape_factor)
 
     def prefix_for(self, head: list[int], namespace: str):
         """The exact prefix KV of a prompt head: the configured one, or one of a few recent others."""

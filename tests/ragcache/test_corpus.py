@@ -177,7 +177,7 @@ def test_a_schema_5_database_gains_staged_versions_and_keeps_serving_its_chunks(
     db.dispose()
 
 
-def test_a_schema_6_database_keeps_its_calibration_and_gains_the_measured_points(db_url):
+def test_a_schema_6_database_keeps_its_calibration_and_gains_the_measured_points_and_ape(db_url):
     from sqlalchemy import text
 
     from ragcache.meta import ModelDefault
@@ -185,6 +185,7 @@ def test_a_schema_6_database_keeps_its_calibration_and_gains_the_measured_points
     db = Database(db_url)
     with db.session() as s:  # back to schema 6: a calibration is one mode and its knob
         s.execute(text("ALTER TABLE model_defaults DROP COLUMN points"))
+        s.execute(text("ALTER TABLE model_defaults DROP COLUMN ape"))
         s.execute(text("INSERT INTO model_defaults (fingerprint, mode, param, target_kl, measured_kl, speedup, dataset, "
                        "created) VALUES ('fp', 'probe', 0.2, 0.1, 0.05, 5.0, 'x', CURRENT_TIMESTAMP)"))
         s.execute(update(SchemaInfo).values(version=6))
@@ -193,7 +194,7 @@ def test_a_schema_6_database_keeps_its_calibration_and_gains_the_measured_points
     with db.session() as s:
         assert s.get(SchemaInfo, 1).version == SCHEMA_VERSION
         row = s.get(ModelDefault, "fp")
-        assert (row.mode, row.param, row.points) == ("probe", 0.2, None) and row.fastest(0.1) is None
+        assert (row.mode, row.param, row.points, row.ape) == ("probe", 0.2, None, None) and row.fastest(0.1) is None
     db.dispose()
 
 

@@ -100,6 +100,40 @@ def test_calibrate_stores_the_fastest_mode_within_the_target(tmp_path, tiny, smo
     service.close()
 
 
+def test_calibrate_stores_the_ape_of_the_lowest_kl_and_the_server_uses_it_unless_its_settings_name_one(tmp_path, tiny,
+                                                                                                      smollm):
+    from ragcache.evaluation.calibrate import OFF, best_ape, calibrate
+    from ragcache.meta import ModelDefault
+    from ragcache.service import RagCache
+
+    home = tmp_path / "home"
+    service = RagCache(Settings(home=home, model=str(smollm.path)))
+    cfg = EvalConfig(tiny, modes=["full", "reuse"], top_k=2, max_new_tokens=4, ape=[(1.0, 0.5), (0.8, 0.25)])
+    choice = calibrate(service, cfg, target_kl=10.0, progress=False)
+    with service.db.session() as s:
+        row = s.get(ModelDefault, service.model.fingerprint)
+    kls = {p["label"]: p["kl"] for p in json.loads(row.points)}
+    assert set(kls) == {"full", "reuse", "reuse+ape@1,0.5", "reuse+ape@0.8,0.25"}
+    best = min([OFF, (1.0, 0.5), (0.8, 0.25)],
+               key=lambda ts: kls["reuse" if ts == OFF else f"reuse+ape@{ts[0]:g},{ts[1]:g}"])
+    assert choice.ape == best_ape(kls) == best and row.ape == f"{best[0]:g},{best[1]:g}"
+    served = service.policy_for("reuse")  # the settings name no APE: the calibrated one
+    assert served == (Reuse() if best == OFF else Reweighted(Reuse(), Reweight(*best)))
+    service.generation.p.settings = Settings(home=home, model=str(smollm.path), ape_temperature=0.9)
+    assert service.policy_for("reuse") == Reweighted(Reuse(), Reweight(0.9, 0.5))  # named: the settings win
+    service.close()
+
+
+def test_the_best_ape_is_the_lowest_mean_kl_over_the_modes_measured_with_every_variant():
+    from ragcache.evaluation.calibrate import best_ape
+
+    kls = {"full": 0.0, "reuse": 0.10, "probe@0.1": 0.06, "epic@16": 0.2,  # epic has no APE variant: not compared
+           "reuse+ape@1,0.5": 0.07, "probe@0.1+ape@1,0.5": 0.05, "reuse+ape@0.9,0.4": 0.06, "probe@0.1+ape@0.9,0.4": 0.07}
+    assert best_ape(kls) == (1.0, 0.5)  # means 0.060 and 0.065 against no APE's 0.080
+    assert best_ape({**kls, "reuse+ape@1,0.5": 0.2, "reuse+ape@0.9,0.4": 0.2}) == (1.0, 1.0)  # APE hurts: off
+    assert best_ape({"full": 0.0, "reuse": 0.1}) is None  # no variant measured
+
+
 def test_calibrated_points_give_the_fastest_within_a_target_else_the_closest():
     from ragcache.meta import ModelDefault
 
