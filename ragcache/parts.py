@@ -15,7 +15,7 @@ from blend import ALONE, ChunkKV, Runner, compute_chunk, compute_prefix, load_mo
 from blend.prompt import as_ids, chat_frame, stop_token_ids
 
 from .config import Settings
-from .meta import Database
+from .database import Database
 from .store import encode as encode_kv
 from .store import kv_key, open_store
 from .store.admission import Admission

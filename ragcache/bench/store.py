@@ -18,7 +18,7 @@ import torch
 
 from blend import ChunkKV
 
-from ..meta import Database
+from ..database import Database
 from ..store import TieredStore, decode, encode
 from ..store.disk import DiskTier
 from ..store.memory import MemoryTier

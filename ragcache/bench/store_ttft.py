@@ -9,7 +9,7 @@ from pathlib import Path
 from blend import CacheBlend, Reuse, fuse_and_prefill
 from blend.prompt import as_ids, encode as tokenize
 
-from ..meta import Database
+from ..database import Database
 from ..store import TieredStore, decode, encode
 from ..store.disk import DiskTier
 from ..store.layers import decode_layerwise

@@ -15,7 +15,8 @@ from sqlalchemy import delete, func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from ..meta import Chunk, Database, bump_index_versions, keys_in_use
+from ..database import Database
+from ..meta import Chunk, bump_index_versions, keys_in_use
 from ..meta import Document as DocRow
 from .chunking import Document, chunk_document
 from .versions import lock_document, serves

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from ..meta import Chunk, Database, bump_index_versions, in_batches, keys_in_use
+from ..database import Database
+from ..meta import Chunk, bump_index_versions, in_batches, keys_in_use
 from ..meta import Document as DocRow
 
 

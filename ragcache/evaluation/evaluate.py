@@ -28,8 +28,8 @@ from blend.prompt import as_ids, encode
 
 from ..config import EVAL_MODES
 from ..corpus.chunking import SEPARATOR
+from ..database import Database
 from ..errors import UserError
-from ..meta import Database
 from ..store import TieredStore, decode as decode_kv, encode as encode_kv, kv_key
 from ..store.disk import DiskTier
 from ..store.memory import MemoryTier

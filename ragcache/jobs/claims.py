@@ -20,7 +20,8 @@ from datetime import datetime, timedelta
 import numpy as np
 from sqlalchemy import func, or_, select, update
 
-from ..meta import Chunk, Database, Job, bump_index_versions, in_batches, keys_in_use, utcnow
+from ..database import Database
+from ..meta import Chunk, Job, bump_index_versions, in_batches, keys_in_use, utcnow
 
 log = logging.getLogger("ragcache.precompute")
 

@@ -33,8 +33,9 @@ from ..config import Settings
 from ..corpus.corpus import Corpus
 from ..corpus.ingest import unpack_ids
 from ..corpus.versions import swap_ready
+from ..database import Database
 from ..errors import UserError
-from ..meta import Chunk, Database
+from ..meta import Chunk
 from ..parts import Parts
 from ..store import StoreFull
 from . import claims

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from sqlalchemy import func, select
 
-from ..meta import Chunk, Database, Job, utcnow
+from ..database import Database
+from ..meta import Chunk, Job, utcnow
 
 LOCK_FILE = "precompute.lock"  # in RAGCACHE_HOME: SQLite's one-precompute-at-a-time lock
 

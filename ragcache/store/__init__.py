@@ -15,7 +15,7 @@ import secrets
 import torch
 
 from ..config import Settings
-from ..meta import Database
+from ..database import Database
 from .codec import CorruptBlob, StoredKV, decode, encode, kv_key
 from .disk import DiskTier
 from .ledger import ensure_store

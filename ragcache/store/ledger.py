@@ -19,7 +19,8 @@ from datetime import timedelta
 from sqlalchemy import delete, exists, func, inspect, select, text, update
 from sqlalchemy.exc import IntegrityError
 
-from ..meta import BlobStore, Database, KVCopy, KVEntry, Pin, utcnow
+from ..database import Database
+from ..meta import BlobStore, KVCopy, KVEntry, Pin, utcnow
 
 
 def gdsf_priority(clock: float, hits: int, cost: float, size: int) -> float:

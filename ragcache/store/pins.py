@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from sqlalchemy import delete, func, select, text, update
 
+from ..database import Database
 from ..errors import Conflict
-from ..meta import Database, KVCopy, KVEntry, Pin, in_batches
+from ..meta import KVCopy, KVEntry, Pin, in_batches
 
 
 class PinQuotaExceeded(Conflict):

@@ -28,7 +28,8 @@ from sqlalchemy import select
 
 from blend.cores import one_core
 
-from ..meta import Database, KVEntry, utcnow
+from ..database import Database
+from ..meta import KVEntry, utcnow
 from . import pins
 from .codec import CorruptBlob, StoredKV, checksum, from_bytes, to_bytes
 from .faults import FAILED as _FAILED

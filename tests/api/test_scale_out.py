@@ -12,7 +12,8 @@ import redis
 from sqlalchemy import func, select, update
 
 from ragcache.config import Settings
-from ragcache.meta import BlobStore, Chunk, Database, Job, KVCopy
+from ragcache.database import Database
+from ragcache.meta import BlobStore, Chunk, Job, KVCopy
 from ragcache.parts import Parts
 from tests.ragcache.conftest import REDIS_URL, pg_database
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from blend import ChunkKV
-from ragcache.meta import Database
+from ragcache.database import Database
 
 PG_ADMIN = os.environ.get("RAGCACHE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("RAGCACHE_TEST_REDIS", "redis://127.0.0.1:6379/0")

@@ -13,7 +13,8 @@ from ragcache.corpus.readers import read_documents
 from ragcache.errors import UserError
 from ragcache.corpus.ingest import ingest_documents
 from ragcache.corpus.versions import swap_ready
-from ragcache.meta import SCHEMA_VERSION, Chunk, Database, SchemaInfo
+from ragcache.database import SCHEMA_VERSION, Database
+from ragcache.meta import Chunk, SchemaInfo
 from ragcache.meta import Document as DocRow
 
 from .conftest import pg_database

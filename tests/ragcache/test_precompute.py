@@ -14,7 +14,8 @@ import pytest
 from sqlalchemy import func, select
 
 from ragcache.config import Settings
-from ragcache.meta import Chunk, Database, Job, KVCopy
+from ragcache.database import Database
+from ragcache.meta import Chunk, Job, KVCopy
 from ragcache.service import RagCache
 
 from .conftest import pg_database

@@ -13,7 +13,8 @@ import pytest
 import torch
 from sqlalchemy import select
 
-from ragcache.meta import Database, KVCopy, KVEntry
+from ragcache.database import Database
+from ragcache.meta import KVCopy, KVEntry
 from ragcache.store import StoreFull, TieredStore, decode, encode, kv_key
 from ragcache.store.codec import checksum, from_bytes, to_bytes
 from ragcache.store.disk import DiskTier
@@ -267,7 +268,7 @@ _WRITER = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from tests.ragcache.conftest import fake_chunk
     from tests.ragcache.test_store import make_store
-    from ragcache.meta import Database
+    from ragcache.database import Database
     from ragcache.store import encode
     from pathlib import Path
     store = make_store(Database({url!r}), Path({tmp!r}), cpu_entries=4, disk_entries=100000)

@@ -7,7 +7,7 @@ import sys
 import redis
 from sqlalchemy import event
 
-from ragcache.meta import Database
+from ragcache.database import Database
 from ragcache.store import encode
 from ragcache.store.disk import DiskTier
 from ragcache.store.ledger import Ledger
