@@ -13,6 +13,14 @@ U = 8  # rows widened at once
 _EXACT = {"nnan", "ninf", "nsz", "contract", "afn"}  # fastmath without reassociation: Cody-Waite stays exact
 
 
+@numba.njit(inline="always")
+def widen(src, t, x):  # pragma: no cover — compiled
+    """x (U, hd) f32 = src[t:t+U] (int8 rows)."""
+    for u in range(U):
+        for d in range(x.shape[1]):
+            x[u, d] = src[t + u, d]
+
+
 @numba.njit(fastmath=True, cache=True)
 def scores(qs, k, ks, a, b, s):  # pragma: no cover — compiled
     """s (g, b-a) = (qs (g, hd) · k[a:b] widened) · ks[a:b]; k (T, hd) int8, ks (T,) f32."""
@@ -20,9 +28,7 @@ def scores(qs, k, ks, a, b, s):  # pragma: no cover — compiled
     x = np.empty((U, hd), dtype=np.float32)
     t = a
     while t + U <= b:
-        for u in range(U):
-            for d in range(hd):
-                x[u, d] = k[t + u, d]
+        widen(k, t, x)
         for i in range(qs.shape[0]):
             a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0)
             for d in range(hd):
@@ -93,9 +99,7 @@ def weigh(p, v, a, b, o):  # pragma: no cover — compiled
     x = np.empty((U, hd), dtype=np.float32)
     t = a
     while t + U <= b:
-        for u in range(U):
-            for d in range(hd):
-                x[u, d] = v[t + u, d]
+        widen(v, t, x)
         c = t - a
         for i in range(p.shape[0]):
             w0, w1, w2, w3 = p[i, c], p[i, c + 1], p[i, c + 2], p[i, c + 3]
