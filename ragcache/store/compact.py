@@ -175,12 +175,33 @@ class Decoder:
         head = start + 4 * groups
         if len(frame) != head + size:
             raise ValueError("frame length does not match its header")
-        scales = np.frombuffer(frame, dtype=np.float16, count=2 * groups, offset=start)
-        lo = torch.from_numpy(scales[:groups].astype(np.float32)).view(shape).to(out.device)
-        step = torch.from_numpy(scales[groups:].astype(np.float32)).view(shape).to(out.device)
+        scales = np.frombuffer(frame, dtype=np.float16, count=2 * groups, offset=start).astype(np.float32)
         raw = self._dctx.decompress(memoryview(frame)[head:], max_output_size=h * n * hd // 2)
         if len(raw) != h * n * hd // 2:
             raise ValueError("frame payload has the wrong size")
+        if out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous():
+            from . import nibbles  # numba compiles it on first use
+
+            packed, lo, step = (np.frombuffer(raw, dtype=np.uint8).reshape(h, n, hd // 2),
+                                scales[:groups].reshape(shape), scales[groups:].reshape(shape))
+            if per_token:
+                nibbles.per_token(packed, lo[..., 0], step[..., 0], out.numpy())
+            else:
+                nibbles.per_channel(packed, lo, step, group, out.numpy())
+        else:
+            self._unpack(raw, scales, shape, group, out)
+        if kind == V_ROTATED:
+            out.copy_(out @ self._rotation(hd, out.device).to(out.dtype))
+
+    @staticmethod
+    def _unpack(raw: bytes, scales: np.ndarray, shape: tuple, group: int, out: torch.Tensor) -> None:
+        """`nibbles`' work in torch, on the output's device: packed symbols × step + lo into out (H, n, hd)."""
+        h, n, hd = out.shape
+        groups = scales.size // 2
+        blocks = shape[1] if shape[2] != 1 else 1
+        per_token = shape[2] == 1
+        lo = torch.from_numpy(scales[:groups]).view(shape).to(out.device)
+        step = torch.from_numpy(scales[groups:]).view(shape).to(out.device)
         packed = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(h, n, hd // 2).to(out.device)
         half = hd // 2
         out[..., :half] = packed & 15  # uint8 → float as it is written
@@ -193,8 +214,6 @@ class Decoder:
             body.mul_(step[:, : n // group, None]).add_(lo[:, : n // group, None])
             if full < n:
                 out[:, full:].mul_(step[:, -1:]).add_(lo[:, -1:])
-        if kind == V_ROTATED:
-            out.copy_(out @ self._rotation(hd, out.device).to(out.dtype))
 
     def layer(self, k_frame, v_frame, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         """Layer frames into k_out (pre-RoPE), v_out (Hkv, n, hd) float32."""

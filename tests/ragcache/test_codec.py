@@ -122,6 +122,24 @@ def test_a_frame_damaged_in_memory_does_not_decode(name, k_group, v_rotate):
         decode(entry, torch.float32, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("name, v_bits, k_group, v_rotate", [("compact-k3v3", 3, 0, False),
+                                                             ("compact-k3v2+g16+r", 2, 16, True)])
+def test_the_cpu_unpacking_equals_the_torch_one_the_gpu_runs(name, v_bits, k_group, v_rotate):
+    """A contiguous float32 output is unpacked by numba in one pass; any other (CUDA's, or a strided view
+    here) by torch. Both give the same floats, for every frame kind, a short last K block included."""
+    from ragcache.store.compact import Decoder, encode_frames
+
+    k, v = torch.randn(2, 3, 37, 8), torch.randn(2, 3, 37, 8)
+    frames = encode_frames(k, v, Spec.uniform(name, 2, 3, v_bits, k_group=k_group, v_rotate=v_rotate))
+    decoder = Decoder()
+    for frame, per_token in zip(frames, [False, True] * 2):
+        fast, slow = torch.empty(3, 37, 8), torch.empty(3, 8, 37).transpose(1, 2)  # the second not contiguous
+        decoder.frame_into(frame, fast, per_token)
+        decoder.frame_into(frame, slow, per_token)
+        assert torch.allclose(fast, slow, rtol=1e-6, atol=1e-6)
+        assert fast.abs().max() > 0
+
+
 def test_a_damaged_calibration_file_falls_back_to_the_default_widths(tmp_path):
     from ragcache.store.codecs import DEFAULT, calibration_path
 
