@@ -108,13 +108,13 @@ def test_calibrate_stores_the_ape_of_the_lowest_kl_and_the_server_uses_it_unless
 
     home = tmp_path / "home"
     service = RagCache(Settings(home=home, model=str(smollm.path)))
-    cfg = EvalConfig(tiny, modes=["full", "reuse"], top_k=2, max_new_tokens=4, ape=[(1.0, 0.5), (0.8, 0.25)])
+    cfg = EvalConfig(tiny, modes=["full", "reuse"], top_k=2, max_new_tokens=4, ape=[(0.8, 0.25)])  # and none
     choice = calibrate(service, cfg, target_kl=10.0, progress=False)
     with service.db.session() as s:
         row = s.get(ModelDefault, service.model.fingerprint)
     kls = {p["label"]: p["kl"] for p in json.loads(row.points)}
-    assert set(kls) == {"full", "reuse", "reuse+ape@1,0.5", "reuse+ape@0.8,0.25"}
-    best = min([OFF, (1.0, 0.5), (0.8, 0.25)],
+    assert set(kls) == {"full", "reuse", "reuse+ape@0.8,0.25"}
+    best = min([OFF, (0.8, 0.25)],
                key=lambda ts: kls["reuse" if ts == OFF else f"reuse+ape@{ts[0]:g},{ts[1]:g}"])
     assert choice.ape == best_ape(kls) == best and row.ape == f"{best[0]:g},{best[1]:g}"
     served = service.policy_for("reuse")  # the settings name no APE: the calibrated one
