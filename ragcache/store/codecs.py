@@ -19,7 +19,8 @@ from pathlib import Path
 from ..config import KV_CODEC
 from .compact import Spec
 
-DEFAULT = "compact-k3v3+g96"  # what `compact` is for a model never calibrated: ~3.13 bits (BENCHMARKS.md)
+DEFAULT = "compact-k3v3+L1+g96"  # `compact` for a model never calibrated: 3.16 bits; layer 1, CacheBlend's check
+# layer, one bit more: its deviation otherwise ranks tokens by their quantization error (BENCHMARKS.md)
 log = logging.getLogger("ragcache.store")
 
 
