@@ -11,11 +11,12 @@ RANK = {"blend": 0, "index": 0, "ragcache": 1, "api": 2}
 
 # ragcache's rooms (a folder, or a module at the top) and the rooms each may import besides itself; every room
 # may import blend and index. Arrows point down this table's order, so there is no circle.
-BASE = {"config", "errors", "meta"}
+BASE = {"config", "errors", "meta", "database"}
 ROOMS: dict[str, set[str]] = {
     "config": set(),
     "errors": set(),
     "meta": {"errors"},
+    "database": {"errors", "meta"},
     "store": BASE,
     "corpus": BASE,
     "parts": BASE | {"store"},

@@ -1,6 +1,6 @@
 """`ragcache bench WHAT`: scripts whose printed output goes into BENCHMARKS.md with the command.
 
-May import: config, errors, meta, store, corpus, parts, evaluation, serving, jobs, service (and blend, index).
+May import: config, errors, meta, database, store, corpus, parts, evaluation, serving, jobs, service (and blend, index).
 """
 from __future__ import annotations
 

@@ -6,5 +6,5 @@ precomputed and then swapped in (`versions`);
 `corpus.Corpus` adds, shows and deletes documents; `retrieval.Retriever` searches each namespace's FAISS
 and BM25 indexes (alone or rank-fused), each re-synced whenever any process changed what the namespace holds.
 
-May import: config, errors, meta (and blend, index).
+May import: config, errors, meta, database (and blend, index).
 """

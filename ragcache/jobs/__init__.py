@@ -4,5 +4,5 @@
 SQL (leases, retries); `rows` the job rows and chunk counts; `launcher` starts a server's jobs as child
 processes and watches them.
 
-May import: config, errors, meta, store, corpus, parts (and blend, index).
+May import: config, errors, meta, database, store, corpus, parts (and blend, index).
 """

@@ -7,5 +7,5 @@ ingests and custom prompt heads' prefills run on the `side` worker, those heads'
 `generation` is the same pipeline for one request alone, `explain` and `recent` what a person looks at
 afterwards, `tally` the counters /metrics reads.
 
-May import: config, errors, meta, store, corpus (and blend, index).
+May import: config, errors, meta, database, store, corpus (and blend, index).
 """

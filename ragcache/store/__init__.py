@@ -6,7 +6,7 @@ Layers never import upward: tiers know bytes or tensors, `tiered.py` knows tiers
 written by a codec (codec.py: raw, or compact.py's, chosen in codecs.py); compact hits decode a layer at a
 time beside the prefill (layers.py); admission.py decides which query-time misses are written.
 
-May import: config, errors, meta (and blend).
+May import: config, errors, meta, database (and blend).
 """
 from __future__ import annotations
 
