@@ -96,9 +96,9 @@ class Generation:
         asked = mode
         if target_kl is not None and mode not in ("auto", "adaptive"):
             raise UserError(f"target_kl applies to mode auto or adaptive, not {mode}")
+        ape_named = bool({"ape_temperature", "ape_factor"} & s.model_fields_set)
+        default = self._model_default() if mode in ("auto", "adaptive") or not ape_named else None  # one read
         if mode == "auto" or (mode == "adaptive" and target_kl is not None):
-            with self.p.db.session() as ss:
-                default = ss.get(ModelDefault, self.p.model.fingerprint)
             target = target_kl if target_kl is not None or default is None else default.target_kl
             policy = None if default is None else _calibrated(default, target, None if mode == "auto" else mode)
             if policy is not None:
@@ -123,20 +123,24 @@ class Generation:
             policy = make_policy(mode, **knobs)
         except ValueError as e:  # an unknown mode or a knob out of range, named by blend
             raise UserError(str(e)) from None
-        ape = self._ape()
+        ape = self._ape(None if ape_named else default)
         return Reweighted(policy, ape) if ape.active and policy.reads_chunk_kv else policy
 
-    def _ape(self) -> Reweight:
-        """The APE the settings name (RAGCACHE_APE_TEMPERATURE/FACTOR); where they name none, the one `ragcache
-        calibrate` measured best for this model; else the built-in default."""
-        s = self.p.settings
-        if not {"ape_temperature", "ape_factor"} & s.model_fields_set:
-            with self.p.db.session() as ss:
-                default = ss.get(ModelDefault, self.p.model.fingerprint)
+    def _model_default(self) -> ModelDefault | None:
+        """What `ragcache calibrate` stored for this model (read per request: another process may calibrate)."""
+        with self.p.db.session() as ss:
+            return ss.get(ModelDefault, self.p.model.fingerprint)
+
+    def _ape(self, default: ModelDefault | None) -> Reweight:
+        """The APE `ragcache calibrate` measured best for this model where `default` holds one; else the
+        settings' (RAGCACHE_APE_TEMPERATURE/FACTOR, or the built-in default). The caller passes None when
+        the settings name an APE: a named setting wins."""
+        if default is not None:
             try:
                 return Reweight(*map(float, default.ape.split(",")))
             except (AttributeError, TypeError, ValueError):  # none calibrated, or a damaged value: the default
                 pass
+        s = self.p.settings
         return Reweight(s.ape_temperature, s.ape_factor)
 
     def prefix_for(self, head: list[int], namespace: str):

@@ -179,34 +179,32 @@ class Decoder:
         raw = self._dctx.decompress(memoryview(frame)[head:], max_output_size=h * n * hd // 2)
         if len(raw) != h * n * hd // 2:
             raise ValueError("frame payload has the wrong size")
+        packed, lo, step = (np.frombuffer(raw, dtype=np.uint8).reshape(h, n, hd // 2),
+                            scales[:groups].reshape(shape), scales[groups:].reshape(shape))
         if out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous():
             from . import nibbles  # numba compiles it on first use
 
-            packed, lo, step = (np.frombuffer(raw, dtype=np.uint8).reshape(h, n, hd // 2),
-                                scales[:groups].reshape(shape), scales[groups:].reshape(shape))
             if per_token:
                 nibbles.per_token(packed, lo[..., 0], step[..., 0], out.numpy())
             else:
                 nibbles.per_channel(packed, lo, step, group, out.numpy())
         else:
-            self._unpack(raw, scales, shape, group, out)
+            self._unpack(packed, lo, step, per_token, group, out)
         if kind == V_ROTATED:
             out.copy_(out @ self._rotation(hd, out.device).to(out.dtype))
 
     @staticmethod
-    def _unpack(raw: bytes, scales: np.ndarray, shape: tuple, group: int, out: torch.Tensor) -> None:
-        """`nibbles`' work in torch, on the output's device: packed symbols × step + lo into out (H, n, hd)."""
+    def _unpack(packed: np.ndarray, lo: np.ndarray, step: np.ndarray, per_token: bool, group: int,
+                out: torch.Tensor) -> None:
+        """`nibbles`' work in torch, on the output's device: packed (H, n, hd/2) symbols × step + lo, the
+        scales (H, n, 1) per token or (H, blocks, hd) per channel block of `group` tokens, into out (H, n, hd)."""
         h, n, hd = out.shape
-        groups = scales.size // 2
-        blocks = shape[1] if shape[2] != 1 else 1
-        per_token = shape[2] == 1
-        lo = torch.from_numpy(scales[:groups]).view(shape).to(out.device)
-        step = torch.from_numpy(scales[groups:]).view(shape).to(out.device)
-        packed = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(h, n, hd // 2).to(out.device)
+        lo, step = (torch.from_numpy(x).to(out.device) for x in (lo, step))
+        packed = torch.from_numpy(packed.copy()).to(out.device)  # frombuffer's view of bytes is read-only
         half = hd // 2
         out[..., :half] = packed & 15  # uint8 → float as it is written
         out[..., half:] = packed >> 4
-        if per_token or blocks == 1:
+        if per_token or step.shape[1] == 1:
             out.mul_(step).add_(lo)  # (h, n, 1) per token, (h, 1, hd) per channel: broadcast
         else:
             full = n // group * group  # whole blocks as one strided view, the shorter last one alone

@@ -9,6 +9,7 @@ import textwrap
 import threading
 import time
 
+import psycopg
 import pytest
 import torch
 from sqlalchemy import select
@@ -22,7 +23,7 @@ from ragcache.store.memory import MemoryTier
 from ragcache.store.policy import GDSF, LRU
 from ragcache.store.redis import RedisTier
 
-from .conftest import REDIS_URL, fake_chunk
+from .conftest import PG_ADMIN, REDIS_URL, fake_chunk
 
 ENTRY_BYTES = encode(fake_chunk(0), "float32").nbytes
 
@@ -280,6 +281,19 @@ _WRITER = textwrap.dedent("""
 """)
 
 
+def _wait_for_its_backends(db_url: str, timeout_s: float = 60.0) -> None:
+    """Until PostgreSQL has finished the dead writer's sessions: a COMMIT it sent just before SIGKILL
+    still lands after the process is gone, and a sweep that ran first would miss that copy row."""
+    if not db_url.startswith("postgresql"):
+        return  # SQLite: the file lock dies with the process
+    name = db_url.rsplit("/", 1)[1]
+    deadline = time.monotonic() + timeout_s
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        while conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s", (name,)).fetchone()[0]:
+            assert time.monotonic() < deadline, "the killed writer's sessions never ended"
+            time.sleep(0.05)
+
+
 def test_killed_writer_leaves_every_row_with_a_valid_blob(db_url, tmp_path):
     from pathlib import Path
 
@@ -293,6 +307,7 @@ def test_killed_writer_leaves_every_row_with_a_valid_blob(db_url, tmp_path):
         time.sleep(rng.uniform(0.05, 0.6))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        _wait_for_its_backends(db_url)
         start += 10_000
         db = Database(db_url)
         store = make_store(db, tmp_path, grace=0.0)  # the writer is dead: every put it left can go
