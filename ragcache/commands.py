@@ -57,7 +57,11 @@ def ask(args, settings) -> int:
     import json
 
     from .service import RagCache
+    from .serving.generation import fixed_policy
 
+    mode = args.mode or settings.mode
+    if mode not in ("auto", "adaptive"):  # a knob out of range named before the model loads, not after
+        fixed_policy(mode, args.ratio, args.epic_k, settings)
     with RagCache(settings) as service:
         out = service.generate(args.question, args.namespace, args.k, args.mode, ratio=args.ratio, k=args.epic_k,
                                max_new_tokens=args.max_new_tokens, retrieval=args.retrieval, rerank=args.rerank,

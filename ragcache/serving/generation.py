@@ -74,6 +74,23 @@ def _calibrated(default: ModelDefault, target_kl: float, family: str | None):
         return None
 
 
+def fixed_policy(mode: str, ratio: float | None, k: int | None, s: Settings, probe_layers: bool = True):
+    """The policy of a mode that is not chosen per request (not auto), its knobs from the request or else the
+    settings; UserError names an unknown mode or a knob out of range. `probe_layers`: the configured probe
+    depth (auto serves what calibrate measured instead)."""
+    knobs = {"cacheblend": {"ratio": s.cacheblend_ratio if ratio is None else ratio},
+             "probe": {"ratio": s.probe_ratio if ratio is None else ratio},
+             "epic": {"k": s.epic_k if k is None else k}}.get(mode, {})
+    if mode in RATIO_MODES and mode not in ("cacheblend", "probe") and ratio is not None:
+        knobs = {"ratio": ratio}  # else the policy's own default
+    if mode == "probe" and probe_layers and s.probe_layers:
+        knobs["layers"] = s.probe_layers
+    try:
+        return make_policy(mode, **knobs)
+    except ValueError as e:  # an unknown mode or a knob out of range, named by blend
+        raise UserError(str(e)) from None
+
+
 @dataclass
 class Totals:
     """What every request added up to (read by /metrics)."""
@@ -112,17 +129,7 @@ class Generation:
                 mode = default.mode
                 ratio = default.param if mode in RATIO_MODES else ratio
                 k = int(default.param) if mode == "epic" and default.param is not None else k
-        knobs = {"cacheblend": {"ratio": s.cacheblend_ratio if ratio is None else ratio},
-                 "probe": {"ratio": s.probe_ratio if ratio is None else ratio},
-                 "epic": {"k": s.epic_k if k is None else k}}.get(mode, {})
-        if mode in RATIO_MODES and mode not in ("cacheblend", "probe") and ratio is not None:
-            knobs = {"ratio": ratio}  # else the policy's own default
-        if mode == "probe" and asked == "probe" and s.probe_layers:  # auto serves what calibrate measured
-            knobs["layers"] = s.probe_layers
-        try:
-            policy = make_policy(mode, **knobs)
-        except ValueError as e:  # an unknown mode or a knob out of range, named by blend
-            raise UserError(str(e)) from None
+        policy = fixed_policy(mode, ratio, k, s, probe_layers=mode == "probe" and asked == "probe")
         ape = self._ape(None if ape_named else default)
         return Reweighted(policy, ape) if ape.active and policy.reads_chunk_kv else policy
 

@@ -20,7 +20,8 @@ from .codec import CorruptBlob, StoredKV, decode, encode, kv_key
 from .disk import DiskTier
 from .ledger import ensure_store
 from .memory import MemoryTier
-from .tiered import Hit, StoreFull, TieredStore
+from .tier import StoreFull
+from .tiered import Hit, TieredStore
 
 __all__ = ["CorruptBlob", "Hit", "StoreFull", "StoredKV", "TieredStore", "decode", "encode", "kv_key", "open_store"]
 

@@ -4,6 +4,14 @@ from __future__ import annotations
 from typing import Protocol
 
 
+class StoreFull(Exception):
+    """A durable tier has no room even after evicting every unpinned entry."""
+
+
+class StoreError(Exception):
+    """No blob tier could take an entry that had to be durable."""
+
+
 class Tier(Protocol):
     name: str  # "gpu", "cpu", "disk", "redis": what `generate` reports as a chunk's source
     holds_blobs: bool  # True: values are checksummed bytes (disk, redis); False: StoredKV objects

@@ -29,24 +29,17 @@ from sqlalchemy import select
 from blend.cores import one_core
 
 from ..database import Database
-from ..meta import KVEntry, utcnow
+from ..meta import KVEntry
 from . import pins
 from .codec import CorruptBlob, StoredKV, checksum, from_bytes, to_bytes
 from .faults import FAILED as _FAILED
 from .faults import TierGuard
+from .hitlog import HitLog
 from .ladder import MemoryLadder, cost_of
 from .ledger import Ledger, adopt_legacy, copies_of
-from .tier import Tier
+from .tier import StoreError, StoreFull, Tier
 
 log = logging.getLogger("ragcache.store")
-
-
-class StoreFull(Exception):
-    """A durable tier has no room even after evicting every unpinned entry."""
-
-
-class StoreError(Exception):
-    """No blob tier could take an entry that had to be durable."""
 
 
 @dataclass
@@ -64,10 +57,10 @@ class TieredStore:
         self.tiers = memory_tiers + blob_tiers
         self.write_back = write_back
         self._books = {t.name: Ledger(db, t.store_id, policy) for t in blob_tiers}
+        self._hit_log = HitLog(db, self._books)
         self._lock = threading.RLock()
         self._pinned: set[str] = set()
         self._dirty: set[str] = set()  # write-back entries with no durable blob yet
-        self._pending_hits: Counter[tuple[str, str]] = Counter()  # (tier, key) → hits not yet in SQL
         self.hits: Counter[str] = Counter()
         self.misses: Counter[str] = Counter()
         self.evictions: Counter[str] = Counter()
@@ -167,25 +160,7 @@ class TieredStore:
             entry = self.ladder.find(key)
             if entry is not None:
                 self._persist(key, entry)
-        self._write_hits()
-
-    def _write_hits(self) -> None:
-        with self._lock:
-            pending, self._pending_hits = self._pending_hits, Counter()
-        if not pending:
-            return
-        per_key, per_tier = Counter(), {}
-        for (tier, key), n in pending.items():
-            per_key[key] += n
-            per_tier.setdefault(tier, Counter())[key] += n
-        with self.db.session() as s:
-            now = utcnow()
-            for row in s.scalars(select(KVEntry).where(KVEntry.key.in_(list(per_key)))):
-                row.hits += per_key[row.key]
-                row.last_access = now
-        for name, hits in per_tier.items():
-            if name in self._books:
-                self._books[name].touch(hits)
+        self._hit_log.write()
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -234,12 +209,9 @@ class TieredStore:
     def _record_hit(self, tier, key: str, entry: StoredKV) -> None:
         with self._lock:
             self.hits[tier.name] += 1
-            self._pending_hits[tier.name, key] += 1
             if not tier.holds_blobs:
                 self.ladder.touch(tier, key, entry)
-            due = len(self._pending_hits) >= 256
-        if due:
-            self._write_hits()
+        self._hit_log.record(tier.name, key)
 
     def contains(self, key: str) -> bool:
         return self.ladder.holds(key) or bool(
@@ -317,7 +289,7 @@ class TieredStore:
         return {t.name: not t.holds_blobs or self._io(t, t.ping) is not _FAILED for t in self.tiers}
 
     def stats(self) -> dict:
-        self._write_hits()
+        self._hit_log.write()
         tiers = []
         for t in self.tiers:
             used, entries = self._books[t.name].used() if t.holds_blobs else (t.used_bytes(), len(t.keys()))
