@@ -109,16 +109,28 @@ def demo_docs(question: int, n: int, prefix: str) -> list[dict]:
     return [{"id": f"{prefix}{i}", "title": c["title"], "text": c["text"]} for i, c in enumerate(ctxs)]
 
 
+def precompute_home(home: Path, smollm, files: dict[str, Path]) -> None:
+    """namespace → documents file, ingested and precomputed into `home` in this process (one model load, no
+    CLI start: the CLI's own ingest and precompute are tested in tests/ragcache)."""
+    from ragcache.config import Settings
+    from ragcache.jobs.precompute import run_precompute
+    from ragcache.service import RagCache
+
+    env = server_env(home, smollm)
+    settings = Settings(**{k.removeprefix("RAGCACHE_").lower(): v for k, v in env.items()
+                           if k.startswith("RAGCACHE_") and k != "RAGCACHE_THREADS"})  # this process keeps its threads
+    with RagCache(settings) as service:
+        for namespace, path in files.items():
+            service.ingest(path, namespace)
+        summary = run_precompute(settings, progress=False, service=service)
+    assert not summary.failed, summary
+
+
 @pytest.fixture(scope="session")
 def corpus_home(tmp_path_factory, smollm) -> Path:
-    """A home whose namespace `musique` holds 6 passages of question 0, precomputed (via the CLI)."""
+    """A home whose namespace `musique` holds 6 passages of question 0, precomputed."""
     home = tmp_path_factory.mktemp("corpus") / "home"
-    env = server_env(home, smollm)
-    docs = write_jsonl(home.parent / "docs.jsonl", demo_docs(0, 6, "q0-"))
-    for args in (["ingest", str(docs), "--namespace", NAMESPACE], ["precompute", "--quiet"]):
-        r = subprocess.run([sys.executable, "-m", "ragcache.cli", *args], env=env, capture_output=True, text=True,
-                           timeout=600)
-        assert r.returncode == 0, r.stderr[-2000:]
+    precompute_home(home, smollm, {NAMESPACE: write_jsonl(home.parent / "docs.jsonl", demo_docs(0, 6, "q0-"))})
     return home
 
 
@@ -145,13 +157,8 @@ TENANTS = {"tenant-a-key-0123": ["tenant-a"], "tenant-b-key-0123": ["tenant-b"]}
 def api_server_with_keys(corpus_home, tmp_path_factory, smollm):
     """Keys on: the admin key, and two tenants whose namespaces hold different documents."""
     home = copy_home(corpus_home, tmp_path_factory.mktemp("keys"))
-    env = server_env(home, smollm)
-    for ns, question in (("tenant-a", 1), ("tenant-b", 2)):
-        docs = write_jsonl(home.parent / f"{ns}.jsonl", demo_docs(question, 3, f"{ns}-"))
-        for args in (["ingest", str(docs), "--namespace", ns], ["precompute", "--quiet", "--namespace", ns]):
-            r = subprocess.run([sys.executable, "-m", "ragcache.cli", *args], env=env, capture_output=True,
-                               text=True, timeout=600)
-            assert r.returncode == 0, r.stderr[-2000:]
+    precompute_home(home, smollm, {ns: write_jsonl(home.parent / f"{ns}.jsonl", demo_docs(question, 3, f"{ns}-"))
+                                   for ns, question in (("tenant-a", 1), ("tenant-b", 2))})
     server = start_server(home, smollm, RAGCACHE_ADMIN_KEY=ADMIN, RAGCACHE_API_KEYS=json.dumps(TENANTS))
     server.admin_key, server.tenant_keys = ADMIN, TENANTS
     yield server

@@ -1,8 +1,6 @@
 """API keys: tenants see only their namespaces; the admin key sees everything; JSON 401/403s."""
 from __future__ import annotations
 
-import random
-
 import httpx
 
 
@@ -19,20 +17,24 @@ def test_no_key_or_unknown_key_is_401(api_server_with_keys):
     assert httpx.get(f"{s.url}/health").status_code == 200  # liveness needs no key
 
 
-def test_200_queries_never_return_a_foreign_chunk(api_server_with_keys):
+def test_no_question_in_either_tenant_returns_a_foreign_chunk(api_server_with_keys):
+    """Each question in each tenant, asking for fewer and for more chunks than the tenant holds (3): what one
+    tenant's namespace lacks is never filled from the other's (retrieval is deterministic: each pair once)."""
     s = api_server_with_keys
     a, ns_a, b, ns_b = _keys(s)
     questions = ["who", "where was it", "when did it happen", "what is the name", s.question]
-    rng = random.Random(0)
-    foreign = 0
+    foreign, served = 0, 0
     with s.client(a) as ca, s.client(b) as cb:
-        for i in range(200):
-            client, ns, prefix = (ca, ns_a, f"{ns_a}-") if i % 2 else (cb, ns_b, f"{ns_b}-")
-            r = client.post("/v1/rag/generate", json={"query": rng.choice(questions), "namespace": ns,
-                                                      "mode": "reuse", "top_k": 3, "max_tokens": 1})
-            assert r.status_code == 200, r.text
-            foreign += sum(not ch["doc_id"].startswith(prefix) for ch in r.json()["chunks"])
-    assert foreign == 0
+        for client, ns in ((ca, ns_a), (cb, ns_b)):
+            for question in questions:
+                for top_k in (2, 6):
+                    r = client.post("/v1/rag/generate", json={"query": question, "namespace": ns, "mode": "reuse",
+                                                              "top_k": top_k, "max_tokens": 1})
+                    assert r.status_code == 200, r.text
+                    chunks = r.json()["chunks"]
+                    served += len(chunks)
+                    foreign += sum(not ch["doc_id"].startswith(f"{ns}-") for ch in chunks)
+    assert foreign == 0 and served >= 2 * len(questions) * (2 + 3)  # top 6 of a 3-chunk tenant: its 3
 
 
 def test_a_tenant_cannot_touch_another_namespace(api_server_with_keys):
