@@ -45,6 +45,9 @@ class ChunkKV:
     lossless: bool = True  # False: k/v went through a lossy store format (int8, a narrower float, compact)
     k_pre_rope: bool = False  # True: k is before RoPE (a compact blob's), rotated to its place when fused
     ready: object | None = None  # layers still arriving on another thread: ready.wait(l) returns once layer l is in
+    # (L, 2, n) float32: each token's expected squared rounding error of K and V from a lossy store, summed over
+    # heads and hd (what it adds to cacheblend's deviation); layer l is in once ready.wait(l) returns. None: unknown
+    noise: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.token_ids.shape[0]

@@ -58,7 +58,7 @@ def layout_of(prefix: PrefixKV | None, chunks: list[ChunkKV], suffix_len: int) -
         spans.append((offset, offset + len(c)))
         exact.append(i == 0 and c.is_exact_at(offset, before))  # only the first can follow exactly its context
         offset += len(c)
-    return Layout(prefix_len, spans, exact, offset + suffix_len)
+    return Layout(prefix_len, spans, exact, offset + suffix_len, tuple(c.noise for c in chunks))
 
 
 def assemble(runner: Runner, prefix: PrefixKV | None, chunks: list[ChunkKV], layout: Layout,

@@ -1,7 +1,7 @@
 """A fused sequence's layout and a policy's plan for it: the types every selection policy shares."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -17,6 +17,18 @@ class Layout:
     spans: list[tuple[int, int]]  # [start, end) of each chunk
     exact: list[bool]  # chunk KV already equals a full prefill's at its place
     total: int
+    noise: tuple = field(default=(), compare=False, repr=False)  # per chunk its ChunkKV.noise (L, 2, n) or None: what a lossy store adds to a deviation
+
+    def noise_floor(self, layer: int, which: int, rows: torch.Tensor) -> torch.Tensor | None:
+        """(n,) float32 at `rows`: the expected share of ||new − cached||² that is the store's rounding of K
+        (which 0) or V (1) at `layer`, not the context's effect; None when no chunk's store said."""
+        if not any(n is not None for n in self.noise):
+            return None
+        floor = torch.zeros(self.total)
+        for (a, b), noise in zip(self.spans, self.noise):
+            if noise is not None:
+                floor[a:b] = noise[layer, which]
+        return floor.to(rows.device)[rows]
 
     @property
     def suffix_start(self) -> int:

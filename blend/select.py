@@ -100,25 +100,30 @@ class CacheBlend:
         last = num_layers - 1
         layers = sorted({min(self.check_layer + i, last) for i in range(self.gradual)})
         targets = {l: math.ceil(round(r * stale.numel(), 6)) for l, r in zip(layers, self.ratios())}
-        return Plan(rows, frozenset(targets), _TopDeviation(targets, layout.suffix_start, self.by))
+        return Plan(rows, frozenset(targets), _TopDeviation(targets, layout, self.by))
 
 
 @dataclass(frozen=True)
 class _TopDeviation:
-    """Row filter: keep the `targets[layer]` context rows of largest deviation, and the suffix."""
+    """Row filter: keep the `targets[layer]` context rows of largest deviation, and the suffix. From a lossy
+    store a row's measured deviation is the context's effect plus the store's rounding error: the error's
+    expected share (`Layout.noise_floor`) is taken off, so rows are ranked by the context's effect."""
 
     targets: dict[int, int] = field(hash=False)
-    suffix_start: int
+    layout: Layout = field(hash=False)
     by: str
 
     def __call__(self, check: Check) -> torch.Tensor:
-        rows, dev = check.rows, check.dev_k if self.by == "k" else check.dev_v
-        is_context = rows < self.suffix_start
+        rows, dev = check.rows, (check.dev_k if self.by == "k" else check.dev_v).float()
+        is_context = rows < self.layout.suffix_start
         n_context = int(is_context.sum())
         keep_n = min(self.targets[check.layer], n_context)
         if keep_n == n_context:
             return torch.arange(rows.numel(), device=rows.device)
-        context_dev = torch.where(is_context, dev.float(), torch.tensor(-1.0, device=dev.device))
+        floor = self.layout.noise_floor(check.layer, int(self.by == "v"), rows)
+        if floor is not None:
+            dev = dev - floor
+        context_dev = torch.where(is_context, dev, torch.tensor(-math.inf, device=dev.device))
         top = context_dev.topk(keep_n).indices
         suffix = torch.nonzero(~is_context).flatten()
         return torch.cat([top, suffix]).sort().values

@@ -114,11 +114,12 @@ def decode(entry: StoredKV, dtype: torch.dtype, device: torch.device) -> ChunkKV
     the stored tensors were already in that dtype. A compact entry's K comes back before RoPE."""
     if entry.frames is not None:
         k, v = torch.empty(entry.shape), torch.empty(entry.shape)  # (L, Hkv, n, hd) float32
+        noise = torch.empty(entry.shape[0], 2, entry.shape[2])  # (L, 2, n)
         decoder = Decoder()
         for l in range(entry.shape[0]):
-            decode_layer(decoder, entry, l, k[l], v[l])
+            decode_layer(decoder, entry, l, k[l], v[l], noise[l])
         return ChunkKV(entry.token_ids.cpu(), k.to(device, dtype), v.to(device, dtype), entry.start, entry.context,
-                       lossless=False, k_pre_rope=True)
+                       lossless=False, k_pre_rope=True, noise=noise)
 
     def restore(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         x = x.to(device, non_blocking=True)
@@ -132,10 +133,12 @@ def decode(entry: StoredKV, dtype: torch.dtype, device: torch.device) -> ChunkKV
                    entry.start, entry.context, lossless)
 
 
-def decode_layer(decoder: Decoder, entry: StoredKV, l: int, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
-    """Layer l of a compact entry into k_out (pre-RoPE), v_out (Hkv, n, hd) float32; a bad frame is CorruptBlob."""
+def decode_layer(decoder: Decoder, entry: StoredKV, l: int, k_out: torch.Tensor, v_out: torch.Tensor,
+                 noise: torch.Tensor) -> None:
+    """Layer l of a compact entry into k_out (pre-RoPE), v_out (Hkv, n, hd) float32 and its rounding error into
+    noise (2, n) (`Decoder.frame_into`); a bad frame is CorruptBlob."""
     try:
-        decoder.layer(entry.frames[2 * l], entry.frames[2 * l + 1], k_out, v_out)
+        decoder.layer(entry.frames[2 * l], entry.frames[2 * l + 1], k_out, v_out, noise)
     except Exception as e:  # noqa: BLE001 — zstd's or ours: the frame is unusable
         raise CorruptBlob(f"layer {l} of a compact KV blob does not decode: {e}") from None
 

@@ -157,9 +157,12 @@ class Decoder:
             self._rotations[hd, device] = hadamard(hd).to(device)
         return self._rotations[hd, device]
 
-    def frame_into(self, frame: bytes | memoryview, out: torch.Tensor, per_token: bool) -> None:
+    def frame_into(self, frame: bytes | memoryview, out: torch.Tensor, per_token: bool,
+                   noise: torch.Tensor | None = None) -> None:
         """One frame into out (H, n, hd), float32 (or bfloat16 on CUDA): per_token is V's grouping, else K's.
-        On a CUDA `out` the zstd stage runs on the CPU and the unpacking on the GPU."""
+        On a CUDA `out` the zstd stage runs on the CPU and the unpacking on the GPU. `noise` (n,) float32 CPU,
+        when given, gets each token's expected squared rounding error summed over heads and channels (step²/12
+        an element; a rotation keeps it; K's clipped outliers err more, uncounted)."""
         h, n, hd = out.shape
         (word,) = _U32.unpack_from(frame, 0)
         size, kind = word & ((1 << _KIND) - 1), word >> _KIND
@@ -192,6 +195,9 @@ class Decoder:
             self._unpack(packed, lo, step, per_token, group, out)
         if kind == V_ROTATED:
             out.copy_(out @ self._rotation(hd, out.device).to(out.dtype))
+        if noise is not None:
+            per = (step * step).sum(axis=(0, 2)) / 12 * (hd if per_token else 1)  # (n,) per token, else (blocks,)
+            noise.copy_(torch.from_numpy(per if per_token else np.repeat(per, group)[:n]))
 
     @staticmethod
     def _unpack(packed: np.ndarray, lo: np.ndarray, step: np.ndarray, per_token: bool, group: int,
@@ -213,7 +219,9 @@ class Decoder:
             if full < n:
                 out[:, full:].mul_(step[:, -1:]).add_(lo[:, -1:])
 
-    def layer(self, k_frame, v_frame, k_out: torch.Tensor, v_out: torch.Tensor) -> None:
-        """Layer frames into k_out (pre-RoPE), v_out (Hkv, n, hd) float32."""
-        self.frame_into(k_frame, k_out, per_token=False)
-        self.frame_into(v_frame, v_out, per_token=True)
+    def layer(self, k_frame, v_frame, k_out: torch.Tensor, v_out: torch.Tensor, noise: torch.Tensor | None = None
+              ) -> None:
+        """Layer frames into k_out (pre-RoPE), v_out (Hkv, n, hd) float32; `noise` (2, n): K's and V's
+        expected squared rounding error per token (see `frame_into`)."""
+        self.frame_into(k_frame, k_out, per_token=False, noise=None if noise is None else noise[0])
+        self.frame_into(v_frame, v_out, per_token=True, noise=None if noise is None else noise[1])

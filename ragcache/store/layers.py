@@ -40,10 +40,10 @@ class _Arrivals:
             for l in range(entries[0].shape[0]):
                 for entry, chunk in zip(entries, chunks):
                     if chunk.k.dtype == torch.float32 and chunk.k.device.type == "cpu":
-                        decode_layer(decoder, entry, l, chunk.k[l], chunk.v[l])
+                        decode_layer(decoder, entry, l, chunk.k[l], chunk.v[l], chunk.noise[l])
                         continue
                     k, v = torch.empty(entry.shape[1:]), torch.empty(entry.shape[1:])  # as `decode`: float32
-                    decode_layer(decoder, entry, l, k, v)  # on the CPU first, then converted
+                    decode_layer(decoder, entry, l, k, v, chunk.noise[l])  # on the CPU first, then converted
                     chunk.k[l].copy_(k)
                     chunk.v[l].copy_(v)
                 with self._cond:
@@ -60,6 +60,7 @@ def decode_layerwise(entries: list[StoredKV], dtype: torch.dtype, device: torch.
     arrivals = _Arrivals()
     chunks = [ChunkKV(e.token_ids.cpu(), torch.empty(e.shape, dtype=dtype, device=device),
                       torch.empty(e.shape, dtype=dtype, device=device), e.start, e.context, lossless=False,
-                      k_pre_rope=True, ready=arrivals) for e in entries]
+                      k_pre_rope=True, ready=arrivals, noise=torch.empty(e.shape[0], 2, e.shape[2]))
+              for e in entries]
     threading.Thread(target=arrivals.run, args=(entries, chunks), name="kv-layers", daemon=True).start()
     return chunks

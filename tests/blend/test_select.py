@@ -44,6 +44,21 @@ def test_cacheblend_keeps_the_most_deviating_context_rows_and_the_suffix():
     assert rows[by_k].tolist() == [33, 41, 57, 60, 61, 62, 63, 64]
 
 
+def test_cacheblend_ranks_a_lossy_chunk_by_its_deviation_less_the_stores_rounding_error():
+    noise = torch.zeros(4, 2, 20)  # chunk [30, 50) came from a lossy store: (layers, K|V, tokens)
+    noise[1, 1, 3] = 6.0  # row 33's V at layer 1 was rounded by ~6 of its measured 7
+    lossy = Layout(10, LAYOUT.spans, LAYOUT.exact, 65, noise=(None, noise, None))
+    plan = CacheBlend(ratio=0.1).plan(lossy, 4)
+    rows = plan.rows
+    dev = torch.zeros(rows.numel())
+    dev[rows == 33], dev[rows == 41], dev[rows == 44], dev[rows == 57] = 7.0, 3.0, 2.0, 9.0
+    keep = plan.row_filter(_check(1, rows, torch.zeros_like(dev), dev))
+    assert rows[keep].tolist() == [41, 44, 57, 60, 61, 62, 63, 64]  # 33's 7 is 1 of context's effect: it goes
+    by_k = CacheBlend(ratio=0.1, by="k").plan(lossy, 4).row_filter(_check(1, rows, dev, torch.zeros_like(dev)))
+    assert rows[by_k].tolist() == [33, 41, 57, 60, 61, 62, 63, 64]  # K's rounding was not in question
+    assert lossy.noise_floor(1, 1, rows).sum() == 6.0 and LAYOUT.noise_floor(1, 1, rows) is None
+
+
 def test_gradual_filtering_shrinks_over_check_layers():
     policy = CacheBlend(ratio=0.2, gradual=3)
     assert policy.ratios() == pytest.approx([0.4, 0.3, 0.2])

@@ -140,6 +140,20 @@ def test_the_cpu_unpacking_equals_the_torch_one_the_gpu_runs(name, v_bits, k_gro
         assert fast.abs().max() > 0
 
 
+def test_the_rounding_error_the_decoder_reports_is_the_error_it_made_on_real_v(real_chunk, smol_runner, tmp_path):
+    """cacheblend takes it off its deviation: per token, summed over heads and hd, step²/12 an element."""
+    spec = spec_for("compact", smol_runner.num_layers, tmp_path, "uncalibrated")
+    back = decode(from_bytes(to_bytes(encode(real_chunk, "float32", spec, smol_runner.inv_freq))), torch.float32,
+                  torch.device("cpu"))
+    n = len(real_chunk)
+    assert back.noise.shape == (smol_runner.num_layers, 2, n)
+    k_pre = rotate_k(real_chunk.k, -torch.arange(real_chunk.start, real_chunk.start + n), smol_runner.inv_freq)
+    for which, (made, original) in enumerate([(back.k, k_pre), (back.v, real_chunk.v)]):
+        err = (made - original).square().sum(dim=(1, 3))  # (L, n)
+        ratio = err.sum(1) / back.noise[:, which].sum(1)  # per layer: made / reported
+        assert ((ratio > 0.75) & (ratio < 1.25)).all(), (which, ratio)  # a group's extremes are exact; K is clipped
+
+
 def test_a_damaged_calibration_file_falls_back_to_the_default_widths(tmp_path):
     from ragcache.store.codecs import DEFAULT, calibration_path
 
