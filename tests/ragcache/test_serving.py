@@ -13,7 +13,8 @@ from blend.cores import claim_cores
 from blend.prompt import QUESTION, chat_frame, conversation, encode
 from ragcache.config import Settings
 from ragcache.errors import Busy
-from ragcache.serving.admission import Admission, Limits
+import ragcache.serving.admission as admission_module
+from ragcache.serving.admission import SHARED_WINDOW_S, Admission, Limits
 from ragcache.serving.prefixes import PrefixCache
 from ragcache.serving.scheduler import Scheduler
 from ragcache.serving.sequence import Prepared
@@ -215,3 +216,25 @@ def test_a_step_is_short_while_two_tenants_share_the_model_and_its_batch_takes_t
     assert [t.tenant for t, _ in batch] == ["b"]  # the long one waits, the short one passes it
     batch, too_long, _ = admission.take_prefill(num_layers=2)
     assert [t.tenant for t, _ in batch] == ["a"] and too_long
+
+
+def test_steps_stay_short_for_the_window_after_two_tenants_end_then_grow(monkeypatch):
+    """Both tenants' requests end: the step stays short for SHARED_WINDOW_S (the next request of either
+    may be about to arrive), then one tenant's step is long again. A clock of our own: no waiting."""
+    now = [1000.0]
+    monkeypatch.setattr(admission_module, "time", SimpleNamespace(monotonic=lambda: now[0],
+                                                                  perf_counter=time.perf_counter))
+    limits = Limits(max_queue=10, kv_budget=10_000, tenant_queue=10, tenant_running=10, tenant_tokens=0,
+                    step_rows=1000, shared_step_rows=50)
+    admission = Admission(limits, ServingStats(), SimpleNamespace(shrink=lambda room: None))
+    _request(admission, "a", recompute=10)
+    _request(admission, "b", recompute=10)
+    admission.admit()
+    batch, _, _ = admission.take_prefill(num_layers=2)
+    assert admission.step_rows == 50
+    for _ticket, prep in batch:
+        admission.release(prep)
+    now[0] += SHARED_WINDOW_S - 1
+    assert admission.step_rows == 50 and not admission.shares  # ended, still within the window
+    now[0] += 2
+    assert admission.step_rows == 1000
