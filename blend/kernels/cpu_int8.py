@@ -31,58 +31,11 @@ _load_tbb()
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from numba.core import cgutils, types  # noqa: E402
-from numba.extending import intrinsic  # noqa: E402
 
-from .cpu_int8_loops import merge, scores, softmax, weigh  # noqa: E402
+from .cpu_int8_loops import attend  # noqa: E402
 
 BLOCK = 1024  # keys per parallel task
 PARALLEL_FROM = 1 << 15  # key × K/V-head reads (~1 ms) below which a call runs on one core: TBB wakes too slowly
-
-
-@intrinsic
-def _pointer(typingctx, address):
-    """An int64 address as a void pointer, for `numba.carray` (a sequence's cache is its own allocation)."""
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], cgutils.voidptr_t)
-
-    return types.voidptr(types.int64), codegen
-
-
-@numba.njit(parallel=True, fastmath=True, cache=True)
-def _attend(q, seq, pos, addresses, capacity, hkv, scale, out, block):  # pragma: no cover — compiled
-    """q (n, H, hd) f32, row r of sequence seq[r] at position pos[r]; addresses (S, 4) int64 of sequence s's
-    K, V (Hkv, capacity[s], hd) int8 and K, V scales (Hkv, capacity[s]) f32 → out (n, H, hd) f32.
-    A row reads keys 0..pos[r] of its sequence's layer, never past."""
-    n, h, hd = q.shape
-    g = h // hkv
-    first = np.zeros(n + 1, dtype=np.int64)  # row r's blocks are tasks first[r] .. first[r+1]
-    for r in range(n):
-        first[r + 1] = first[r] + (pos[r] + block) // block
-    row = np.empty(first[n], dtype=np.int64)
-    for r in range(n):
-        row[first[r]:first[r + 1]] = r
-    m = np.full((first[n], hkv, g), -np.inf, dtype=np.float32)
-    l = np.zeros((first[n], hkv, g), dtype=np.float32)
-    acc = np.zeros((first[n], hkv, g, hd), dtype=np.float32)
-    for u in numba.prange(first[n] * hkv):
-        task, j = u // hkv, u % hkv
-        r = row[task]
-        a = (task - first[r]) * block
-        b = min(a + block, pos[r] + 1)
-        s, cap = seq[r], capacity[seq[r]]
-        k = numba.carray(_pointer(addresses[s, 0]), (hkv, cap, hd), np.int8)[j]
-        v = numba.carray(_pointer(addresses[s, 1]), (hkv, cap, hd), np.int8)[j]
-        ks = numba.carray(_pointer(addresses[s, 2]), (hkv, cap), np.float32)[j]
-        vs = numba.carray(_pointer(addresses[s, 3]), (hkv, cap), np.float32)[j]
-        p = np.empty((g, b - a), dtype=np.float32)  # (g, keys): scores, then weights
-        scores(q[r, j * g:(j + 1) * g] * np.float32(scale), k, ks, a, b, p)
-        softmax(p, vs, a, m[task, j], l[task, j])
-        weigh(p, v, a, b, acc[task, j])
-    for u in numba.prange(n * hkv):
-        r, j = u // hkv, u % hkv
-        merge(m[first[r]:first[r + 1], j], l[first[r]:first[r + 1], j], acc[first[r]:first[r + 1], j],
-              out[r, j * g:(j + 1) * g])
 
 
 def varlen_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], q_pos: torch.Tensor,
@@ -104,7 +57,7 @@ def varlen_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Ten
     hkv = ks[0].shape[0]
     reads = (int(pos.sum()) + len(pos)) * hkv
     numba.set_num_threads(1 if reads < PARALLEL_FROM else min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    _attend(q.contiguous().numpy(), seq, pos, addresses, capacity, hkv, scale, out.numpy(), BLOCK)
+    attend(q.contiguous().numpy(), seq, pos, addresses, capacity, hkv, scale, out.numpy(), BLOCK)
     return out
 
 
