@@ -16,6 +16,7 @@ import torch
 
 from blend import Full, KVCache, Runner, compute_prefix, fuse_and_prefill, load_model
 from blend.batch import Rows, forward_batch
+from blend.linear import make_weights
 from blend.model import bundled_gguf
 from blend.prompt import as_ids, chat_frame, encode
 
@@ -31,7 +32,8 @@ def run(settings, args) -> int:
     data = load_dataset(Path(args.dataset), None)
     model = load_model(settings.model, settings.home, settings.device, settings.dtype)
     runner = Runner(model, "float16")  # runner.w: the model's float32 matrices; runner.decode_w: float16
-    weights = {"float32": runner.w, "float16": runner.decode_w}
+    weights = {"float32": runner.w, "float16": runner.decode_w,
+               "int8": make_weights(model.state, runner.num_layers, "int8")}
     threads = torch.get_num_threads()
     with torch.inference_mode():
         prefix = compute_prefix(runner, as_ids(chat_frame(model.tokenizer, settings.system_prompt).head))
@@ -42,7 +44,8 @@ def run(settings, args) -> int:
         llama = _llama_bench(args.llama_bench, threads, context)
         times = _interleaved(steps, llama, args.repeats)
     base = median(times["ragcache, float32 weights, float32 KV"])
-    rows = [[name, median(t) * 1000, base / median(t), _bytes(name, runner, context)] for name, t in times.items()]
+    rows = [[name, median(t) * 1000, base / median(t), _bytes(name, weights, runner, context)]
+            for name, t in times.items()]
     print(f"model {model.name} {model.dtype}, {threads} threads, one sequence, {context} tokens of context "
           f"(question 0, 4 passages), median of {args.repeats} interleaved repeats of {STEPS} steps")
     if llama is None:
@@ -74,11 +77,11 @@ def _steps(runner: Runner, cache, ws, kv: torch.dtype):
     return go
 
 
-def _bytes(name: str, runner: Runner, context: int) -> float | str:
+def _bytes(name: str, weights: dict, runner: Runner, context: int) -> float | str:
     """What one of our steps reads: its weights and the sequence's KV."""
     if name == LLAMA:
         return ""
-    w = runner.decode_w if "float16 weights" in name else runner.w
+    w = next(ws for kind, ws in weights.items() if f"{kind} weights" in name)
     kv = KV["int8" if "int8 KV" in name else "float32"]
     row = KVCache.bytes_per_row_of(runner.num_layers, runner.num_kv_heads, runner.head_dim, kv)
     return (w.bytes + context * row) / 1e6
@@ -120,7 +123,8 @@ def _answers(runner: Runner, fused: list, weights: dict, new_tokens: int) -> str
     rows = []
     for i, f in enumerate(fused):
         ref, margins = _greedy(runner, f, weights["float32"], torch.float32, new_tokens)
-        for w, kv in (("float16", "float32"), ("float32", "int8"), ("float16", "int8")):
+        for w, kv in (("float16", "float32"), ("float32", "int8"), ("float16", "int8"), ("int8", "float32"),
+                      ("int8", "int8")):
             ids, _ = _greedy(runner, f, weights[w], KV[kv], new_tokens)
             first = next((j for j, (a, b) in enumerate(zip(ids, ref)) if a != b), None)
             rows.append([i, f"{w} weights, {kv} KV", "yes" if first is None else "no",

@@ -1,0 +1,47 @@
+"""Decode weights (`RAGCACHE_DECODE_WEIGHTS`): each kind's decode step on the bundled model's real weights
+against the float32 matrices', and the bytes it says it reads."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blend import KVCache
+from blend.batch import Rows, forward_batch
+from blend.linear import DECODE_WEIGHTS, make_weights
+from blend.prompt import as_ids, encode
+
+PROMPT = ("Passage: The Eiffel Tower was completed in 1889 for the World's Fair in Paris, France.\n"
+          "Question: In which city is the Eiffel Tower?\nAnswer: The Eiffel Tower is in")
+
+
+@pytest.fixture(scope="module")
+def prompt(smollm, smol_runner):
+    ids = as_ids(encode(smollm.tokenizer, PROMPT))
+    pre = smol_runner.prefill(ids[:-1])
+    return ids, pre
+
+
+def _step(runner, prompt, ws) -> torch.Tensor:
+    """The prompt's last token decoded after its prefilled KV, through `ws` → logits (V,)."""
+    ids, pre = prompt
+    cache = KVCache.empty(runner.num_layers, runner.num_kv_heads, runner.head_dim, ids.numel(), runner.dtype, "cpu")
+    cache.k[:, :, : ids.numel() - 1], cache.v[:, :, : ids.numel() - 1] = pre.k, pre.v
+    cache.length = ids.numel() - 1
+    return forward_batch(runner, [Rows(cache, ids[-1:], torch.tensor([cache.length]))], ws)[0].logits
+
+
+@pytest.mark.parametrize("kind, bound, size", [("float16", 1e-3, 1 / 2), ("int8", 5e-2, 1 / 4)])
+def test_a_decode_step_through_each_kind_of_weights_is_within_its_bound_of_float32(
+        smollm, smol_runner, prompt, kind, bound, size):
+    ws = make_weights(smollm.state, smol_runner.num_layers, kind)
+    assert ws.bytes == smol_runner.w.bytes * size
+    ref, got = _step(smol_runner, prompt, smol_runner.w), _step(smol_runner, prompt, ws)
+    error = float((got - ref).norm() / ref.norm())
+    assert error < bound, f"{kind} logits {error:.4f} from float32's (relative)"
+    assert int(got.argmax()) == int(ref.argmax()) == smollm.tokenizer.encode(" Paris")[0]
+
+
+def test_an_unknown_kind_of_decode_weights_is_refused_by_name(smollm, smol_runner):
+    assert "int8" in DECODE_WEIGHTS
+    with pytest.raises(ValueError, match="model, float16, int8"):
+        make_weights(smollm.state, smol_runner.num_layers, "int4")
