@@ -89,6 +89,9 @@ class KVCache:
         """New K/V (n, Hkv, hd) of `rows` (ascending, from `first` to `end` - 1) into layer l at the cache's
         precision: a plain slice write when the rows are contiguous."""
         for dst, scale, new in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            if scale is not None and end - first == rows.shape[0]:
+                kernels.write_int8_(dst[l], scale[l], new, first)
+                continue
             new = new.transpose(0, 1)  # (Hkv, n, hd)
             parts = [(dst[l], new)] if scale is None else zip((dst[l], scale[l]), kernels.quantize_int8(new))
             for d, x in parts:

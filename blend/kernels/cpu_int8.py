@@ -32,7 +32,7 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from .cpu_int8_loops import attend  # noqa: E402
+from .cpu_int8_loops import attend, quantize_rows  # noqa: E402
 
 BLOCK = 1024  # keys per parallel task
 PARALLEL_FROM = 1 << 15  # key × K/V-head reads (~1 ms) below which a call runs on one core: TBB wakes too slowly
@@ -66,6 +66,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     """One sequence: q (n, H, hd) float32 at q_pos (n,) ascending; k, v (Hkv, T, hd) int8 with k_scale, v_scale
     (Hkv, T) float32 → (n, H, hd) float32."""
     return varlen_attention(q, [k], [v], q_pos, [0, q.shape[0]], scale, [(k_scale, v_scale)])
+
+
+def write_rows_(q: torch.Tensor, scale: torch.Tensor, new: torch.Tensor, first: int) -> None:
+    """q (Hkv, capacity, hd) int8 and scale (Hkv, capacity) float32 rows first.. ← new (n, Hkv, hd) float32
+    quantized as `reference.quantize_int8` does."""
+    assert q.dtype == torch.int8 and scale.dtype == new.dtype == torch.float32
+    quantize_rows(new.numpy(), q.numpy(), scale.numpy(), first)
 
 
 def _whole(x: torch.Tensor) -> torch.Tensor:

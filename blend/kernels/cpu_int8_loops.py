@@ -1,4 +1,5 @@
-"""The compiled code of `cpu_int8`'s attention: `attend`, the parallel driver, and its loops over one
+"""The compiled code of `cpu_int8`: `quantize_rows`, the int8 cache's write, and the attention: `attend`,
+the parallel driver, and its loops over one
 block of keys of one K/V head, written so LLVM vectorizes them: widen eight int8 rows into float32 once,
 then reuse each loaded query (scores) or accumulator (values) eight times; the softmax's max in 16 lanes
 and its exp into a buffer of its own (in place, LLVM's overlap check runs the scalar loop). One file for
@@ -82,6 +83,23 @@ def exp_into(x, out, bits):  # pragma: no cover — compiled
     two = bits.view(np.float32)
     for t in range(x.shape[0]):
         out[t] *= two[t]
+
+
+@numba.njit(cache=True)  # no fastmath: x / scale must round as torch's division does
+def quantize_rows(x, q, s, first):  # pragma: no cover — compiled
+    """x (n, Hkv, hd) f32 → rows first.. of q (Hkv, capacity, hd) int8 and s (Hkv, capacity) f32, exactly as
+    `reference.quantize_int8`: scale amax / 127, q the nearest (ties to even) of x / max(scale, 1e-30) in ±127."""
+    n, hkv, hd = x.shape
+    for r in range(n):
+        for j in range(hkv):
+            top = np.float32(0)
+            for d in range(hd):
+                top = max(top, abs(x[r, j, d]))
+            scale = top / np.float32(127)
+            s[j, first + r] = scale
+            step = max(scale, np.float32(1e-30))
+            for d in range(hd):
+                q[j, first + r, d] = np.int8(min(max(np.rint(x[r, j, d] / step), np.float32(-127)), np.float32(127)))
 
 
 @numba.njit(fastmath=True, inline="always")

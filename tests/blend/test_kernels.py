@@ -235,6 +235,24 @@ def test_cpu_int8_varlen_attention_is_each_sequence_alone(monkeypatch, parallel_
         assert torch.allclose(ours[a:b], ref, atol=1e-5, rtol=1e-5), i
 
 
+def test_cpu_int8_cache_write_is_the_reference_quantization_bit_for_bit():
+    """The compiled write of a contiguous run of rows (a decode step's) against `reference.quantize_int8`:
+    rows of very different sizes, an all-zero row, values at exact half steps (ties to even), a strided
+    input (V is a view of the fused projection), and nothing written outside the run."""
+    from blend import kernels
+
+    x = torch.randn(6, 3, 64) * torch.logspace(-3, 2, 6)[:, None, None]
+    x[2, 1] = 0
+    x[4, 0] = torch.arange(64) - 31.5  # scale exactly 1 (amax 127 below): every value a tie
+    x[4, 0, 0] = 127
+    wide = torch.cat([x, torch.randn(6, 3, 64)], dim=-1)[..., :64]  # strided rows
+    q, s = torch.zeros(3, 20, 64, dtype=torch.int8), torch.full((3, 20), -1.0)
+    kernels.write_int8_(q, s, wide, 7)
+    ref_q, ref_s = reference.quantize_int8(x.transpose(0, 1))
+    assert torch.equal(q[:, 7:13], ref_q) and torch.equal(s[:, 7:13], ref_s)
+    assert not q[:, :7].any() and not q[:, 13:].any() and (s[:, :7] == -1).all() and (s[:, 13:] == -1).all()
+
+
 def test_cpu_int8_exp_matches_libm_where_softmax_uses_it():
     """The vectorized exp of the softmax: within a few float32 ulps of exp over the shifted scores' range."""
     import numpy as np
