@@ -53,28 +53,25 @@ def forward_batch(runner: Runner, items: list[Rows], ws: Weights | None = None,
     kv_rows: list[list[torch.Tensor]] = [[] for _ in items]
     out_rows: list[list[torch.Tensor]] = [[] for _ in items]
     deviations: list[dict] = [{} for _ in items]
+    spans = [_span(r) for r in rows]  # each item's (first row, last row + 1), kept in step with rows
+    cu = list(accumulate((r.shape[0] for r in rows), initial=0))  # item i's rows are x[cu[i]:cu[i+1]]
     for l in range(runner.num_layers):
         q, k, v = runner._qkv(ws, l, x, cos, sin)  # (N, H, hd), (N, Hkv, hd) ×2
-        keep, offset, shrunk = [], 0, False
+        keep: list[torch.Tensor | None] = [None] * len(items)  # the rows a deviation filter kept, where one did
         for i, it in enumerate(items):
-            n = rows[i].shape[0]
-            ki, vi = k[offset : offset + n], v[offset : offset + n]
+            a, b = cu[i], cu[i + 1]
             kv_rows[i].append(rows[i])
-            kept = _write(runner, it, l, rows[i], q[offset : offset + n], ki, vi, deviations[i])
+            kept = _write(runner, it, l, rows[i], spans[i], q[a:b], k[a:b], v[a:b], deviations[i])
             if kept is not None:
-                rows[i], plans[i], shrunk = rows[i][kept], kernels.attention_plan(rows[i][kept]), True
-                keep.append(kept + offset)
-            else:
-                keep.append(torch.arange(offset, offset + n, device=dev))
+                rows[i] = rows[i][kept]
+                plans[i], spans[i], keep[i] = kernels.attention_plan(rows[i]), _span(rows[i]), kept + a
             out_rows[i].append(rows[i])
-            offset += n
-        if shrunk:
-            idx = torch.cat(keep)
+        if any(kp is not None for kp in keep):
+            idx = torch.cat([torch.arange(cu[i], cu[i + 1], device=dev) if kp is None else kp
+                             for i, kp in enumerate(keep)])
             x, q, cos, sin = x[idx], q[idx], cos[idx], sin[idx]
-        cu = [0]
-        for r in rows:
-            cu.append(cu[-1] + r.shape[0])
-        ends = [int(r[-1]) + 1 for r in rows]
+            cu = list(accumulate((r.shape[0] for r in rows), initial=0))
+        ends = [end for _, end in spans]
         x = runner._finish(ws, l, x, _attention(runner, items, l, q, rows, cu, ends, plans, kv_rows))
     if all_logits:
         logits = runner._logits(ws, x)  # (N', V)
@@ -105,17 +102,23 @@ def _attention(runner: Runner, items: list[Rows], l: int, q: torch.Tensor, rows:
     return attn
 
 
-def _write(runner: Runner, it: Rows, l: int, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           deviations: dict) -> torch.Tensor | None:
+def _span(rows: torch.Tensor) -> tuple[int, int]:
+    """rows (n,) ascending → (first, last + 1)."""
+    return int(rows[0]), int(rows[-1]) + 1
+
+
+def _write(runner: Runner, it: Rows, l: int, rows: torch.Tensor, span: tuple[int, int], q: torch.Tensor,
+           k: torch.Tensor, v: torch.Tensor, deviations: dict) -> torch.Tensor | None:
     """Write one item's new K/V (n, Hkv, hd) at layer l; at a deviation layer, the indices its filter keeps
-    (None: all rows go on), as `Runner.forward_selected` does. q (n, H, hd): the rows' queries."""
+    (None: all rows go on), as `Runner.forward_selected` does. q (n, H, hd): the rows' queries; span:
+    `_span(rows)`."""
     ck, cv = it.cache.placed(l)  # (Hkv, capacity, hd)
     if l in it.deviation_layers:  # a fused prefill's: its cache is at the model's dtype
         dev = kernels.deviation_scatter_(ck, rows, k), kernels.deviation_scatter_(cv, rows, v)
         deviations[l] = (rows, *dev)
         keep = it.row_filter(Check(l, rows, *dev, q, ck, runner.scale)) if it.row_filter is not None else None
         return keep if keep is not None and keep.shape[0] != rows.shape[0] else None
-    it.cache.write(l, rows, k, v, int(rows[0]), int(rows[-1]) + 1)
+    it.cache.write(l, rows, k, v, *span)
     return None
 
 
