@@ -6,8 +6,8 @@ the few-row products of selective recompute, faster for full prefill too), F.lin
 once per step for a handful of rows, so it is bound by the weights' bytes: `float16` keeps a second,
 half-size copy that fbgemm's GEMM widens to float32 inside its kernel (weight-only: the rows and the
 sums stay float32); `int8` a quarter-size copy, one symmetric scale per output row, through fbgemm's
-dynamic int8 GEMM, which quantizes each call's rows to 8 bits too (per tensor), so it is not weight-only:
-~1% relative error a product, where float16's is ~0.02%.
+dynamic int8 GEMM, which quantizes each call's rows to 8 bits too (each row over its own range), so it
+is not weight-only: ~1% relative error a product, where float16's is ~0.02%.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from . import kernels
 
 Linear = Callable[[torch.Tensor, object, torch.Tensor | None], torch.Tensor]
 DECODE_WEIGHTS = ("model", "float16", "int8")  # "model": decode multiplies by the prefill's own matrices
@@ -83,17 +85,25 @@ def _fp16_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Ten
 
 
 def _int8_prepack(w: torch.Tensor):
-    """(out, in) float32 → fbgemm's packed int8 matrix, w ≈ scale[o] · q[o, :] with q in [−127, 127]."""
+    """(out, in) float32 → (fbgemm's packed int8 matrix, w ≈ scale[o] · q[o, :] with q in [−127, 127];
+    its row sums (out,) as packed, for `_int8_linear`)."""
     scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # (out,)
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127)
     with warnings.catch_warnings():  # torch marks its quantized tensors deprecated; fbgemm's GEMM takes only them
         warnings.filterwarnings("ignore", message=".*quantized tensor creation.*deprecated", category=UserWarning)
-        qw = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0)
-    return torch.ops.quantized.linear_prepack(qw, None)
+        qw = torch._make_per_channel_quantized_tensor(q.to(torch.int8), scale.double(),
+                                                      torch.zeros_like(scale, dtype=torch.long), 0)
+    return torch.ops.quantized.linear_prepack(qw, None), (q * scale[:, None]).sum(1)
 
 
 def _int8_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-    y = torch.ops.quantized.linear_dynamic(x.contiguous(), w, False)  # w packed with its bias None
+    """fbgemm quantizes its input to 8 bits over the whole tensor, so a row's rounding would depend on the
+    other rows of a batch. Each row goes in mapped onto [0, 1] (x = low + span · u), so every batch's range
+    is [0, 1], a row is quantized over its own range, and a sequence's product is the one it gets alone:
+    W·x = span · (W·u) + low · (W's row sums)."""
+    packed, sums = w
+    u, low, span = kernels.spread_rows(x)  # (n, in), (n, 1), (n, 1)
+    y = torch.ops.quantized.linear_dynamic(u, packed, False).mul_(span).addmm_(low, sums[None])
     return y if b is None else y + b
 
 

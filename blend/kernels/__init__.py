@@ -114,6 +114,14 @@ def write_int8_(q: torch.Tensor, scale: torch.Tensor, new: torch.Tensor, first: 
     cpu_int8.write_rows_(q, scale, new, first)
 
 
+def spread_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (n, d) float32 on CPU → (x mapped row by row onto [0, 1] (n, d), each row's least value (n, 1), its
+    range (n, 1)): x = low + span · out. The input of the int8 decode weights' GEMM (`blend.linear`)."""
+    from . import cpu_int8
+
+    return cpu_int8.spread(x)
+
+
 def widen(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """Compact K or V (..., T, hd), bfloat16 or int8 with scale (..., T) → `dtype`."""
     return reference.widen(x, scale, dtype)

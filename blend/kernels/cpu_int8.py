@@ -32,7 +32,7 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from .cpu_int8_loops import attend, quantize_rows  # noqa: E402
+from .cpu_int8_loops import attend, quantize_rows, spread_rows  # noqa: E402
 
 BLOCK = 1024  # keys per parallel task
 PARALLEL_FROM = 1 << 15  # key × K/V-head reads (~1 ms) below which a call runs on one core: TBB wakes too slowly
@@ -73,6 +73,13 @@ def write_rows_(q: torch.Tensor, scale: torch.Tensor, new: torch.Tensor, first: 
     quantized as `reference.quantize_int8` does."""
     assert q.dtype == torch.int8 and scale.dtype == new.dtype == torch.float32
     quantize_rows(new.numpy(), q.numpy(), scale.numpy(), first)
+
+
+def spread(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (n, d) float32 → (each row mapped onto [0, 1] (n, d), its least value (n, 1), its range (n, 1))."""
+    out, low, span = torch.empty(x.shape), torch.empty(x.shape[0], 1), torch.empty(x.shape[0], 1)
+    spread_rows(x.numpy(), out.numpy(), low.numpy()[:, 0], span.numpy()[:, 0])
+    return out, low, span
 
 
 def _layer(x: torch.Tensor) -> tuple[int, int]:

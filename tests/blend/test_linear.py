@@ -45,3 +45,25 @@ def test_an_unknown_kind_of_decode_weights_is_refused_by_name(smollm, smol_runne
     assert "int8" in DECODE_WEIGHTS
     with pytest.raises(ValueError, match="model, float16, int8"):
         make_weights(smollm.state, smol_runner.num_layers, "int4")
+
+
+def test_int8_decode_weights_give_a_sequence_in_a_batch_what_it_gets_alone(smollm, smol_runner, prompt):
+    """fbgemm quantizes a product's input over the whole batch; each row spread to its own range keeps one
+    sequence's rounding from depending on the others (here a second sequence with far larger activations)."""
+    ws = make_weights(smollm.state, smol_runner.num_layers, "int8")
+    ids, pre = prompt
+    other = torch.full((40,), int(ids[3]))  # one token repeated: activations unlike the prompt's
+
+    def rows(cache_ids, kv):
+        n = cache_ids.numel() - 1
+        cache = KVCache.empty(smol_runner.num_layers, smol_runner.num_kv_heads, smol_runner.head_dim, n + 1,
+                              smol_runner.dtype, "cpu")
+        cache.k[:, :, :n], cache.v[:, :, :n] = kv.k, kv.v
+        cache.length = n
+        return Rows(cache, cache_ids[-1:], torch.tensor([n]))
+
+    alone = [forward_batch(smol_runner, [rows(i, kv)], ws)[0].logits
+             for i, kv in ((ids, pre), (other, smol_runner.prefill(other[:-1])))]
+    together = forward_batch(smol_runner, [rows(ids, pre), rows(other, smol_runner.prefill(other[:-1]))], ws)
+    for a, t in zip(alone, together):
+        assert torch.allclose(a, t.logits, rtol=0, atol=1e-4), float((a - t.logits).abs().max())
