@@ -1,4 +1,5 @@
-"""Attention over int8 KV caches on the CPU, compiled by numba: the decode path of compact caches.
+"""Attention over int8 KV caches on the CPU, compiled by numba: the decode path of compact caches (and the
+two small passes beside it: a decode row's int8 write, and the int8 decode weights' input rows).
 
 Torch has no float × int8 product that runs near memory speed here (`_weight_int8pack_mm` falls back
 to scalar code; widening int8 to float32 first writes four times the bytes it read), so the int8 keys
