@@ -86,14 +86,14 @@ def _fp16_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Ten
 
 def _int8_prepack(w: torch.Tensor):
     """(out, in) float32 → (fbgemm's packed int8 matrix, w ≈ scale[o] · q[o, :] with q in [−127, 127];
-    its row sums (out,) as packed, for `_int8_linear`)."""
+    its row sums (1, out) as packed, for `_int8_linear`)."""
     scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # (out,)
     q = torch.round(w / scale[:, None]).clamp_(-127, 127)
     with warnings.catch_warnings():  # torch marks its quantized tensors deprecated; fbgemm's GEMM takes only them
         warnings.filterwarnings("ignore", message=".*quantized tensor creation.*deprecated", category=UserWarning)
         qw = torch._make_per_channel_quantized_tensor(q.to(torch.int8), scale.double(),
                                                       torch.zeros_like(scale, dtype=torch.long), 0)
-    return torch.ops.quantized.linear_prepack(qw, None), (q * scale[:, None]).sum(1)
+    return torch.ops.quantized.linear_prepack(qw, None), (q * scale[:, None]).sum(1)[None]  # sums (1, out)
 
 
 def _int8_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,7 +103,7 @@ def _int8_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Ten
     W·x = span · (W·u) + low · (W's row sums)."""
     packed, sums = w
     u, low, span = kernels.spread_rows(x)  # (n, in), (n, 1), (n, 1)
-    y = torch.ops.quantized.linear_dynamic(u, packed, False).mul_(span).addmm_(low, sums[None])
+    y = torch.ops.quantized.linear_dynamic(u, packed, False).mul_(span).addmm_(low, sums)
     return y if b is None else y + b
 
 

@@ -78,9 +78,9 @@ def write_rows_(q: torch.Tensor, scale: torch.Tensor, new: torch.Tensor, first: 
 
 def spread(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (n, d) float32 → (each row mapped onto [0, 1] (n, d), its least value (n, 1), its range (n, 1))."""
-    out, low, span = torch.empty(x.shape), torch.empty(x.shape[0], 1), torch.empty(x.shape[0], 1)
-    spread_rows(x.numpy(), out.numpy(), low.numpy()[:, 0], span.numpy()[:, 0])
-    return out, low, span
+    out, ends = spread_rows(x.numpy())
+    ends = torch.from_numpy(ends)
+    return torch.from_numpy(out), ends[0], ends[1]
 
 
 def _layer(x: torch.Tensor) -> tuple[int, int]:

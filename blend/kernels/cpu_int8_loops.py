@@ -87,18 +87,21 @@ def exp_into(x, out, bits):  # pragma: no cover — compiled
 
 
 @numba.njit(cache=True)  # no fastmath: a row's largest value must map to exactly 1
-def spread_rows(x, out, low, span):  # pragma: no cover — compiled
-    """x (n, d) f32 → out (n, d) f32, each row mapped onto [0, 1]: (x − low) / span, with low (n,) the row's
-    least value and span (n,) its largest less that (1 where the row is constant)."""
+def spread_rows(x):  # pragma: no cover — compiled
+    """x (n, d) f32 → (out (n, d) f32, each row mapped onto [0, 1]: (x − low) / span; ends (2, n, 1) f32:
+    low, each row's least value, and span, its largest less that (1 where the row is constant)). Allocated
+    here: three torch.empty and four .numpy() cost 6 µs a call, the pass itself 0.7."""
     n, d = x.shape
+    out, ends = np.empty((n, d), dtype=np.float32), np.empty((2, n, 1), dtype=np.float32)
     for r in range(n):
         lo, hi = x[r, 0], x[r, 0]
         for c in range(d):
             lo, hi = min(lo, x[r, c]), max(hi, x[r, c])
         width = hi - lo if hi > lo else np.float32(1)
-        low[r], span[r] = lo, width
+        ends[0, r, 0], ends[1, r, 0] = lo, width
         for c in range(d):
             out[r, c] = (x[r, c] - lo) / width
+    return out, ends
 
 
 @numba.njit(cache=True)  # no fastmath: x / scale must round as torch's division does
