@@ -43,17 +43,17 @@ def forward_batch(runner: Runner, items: list[Rows], ws: Weights | None = None,
     ws = ws or runner.w
     dev = runner.device
     rows = [it.rows.to(dev) for it in items]
-    for it, r in zip(items, rows):
+    spans = [_span(r) for r in rows]  # each item's (first row, last row + 1), kept in step with rows
+    for it, r, (_, end) in zip(items, rows, spans):
         runner._check_positions(r[-1:])
-        it.cache.reserve(int(r[-1]) + 1)
-        it.cache.length = max(it.cache.length, int(r[-1]) + 1)
+        it.cache.reserve(end)
+        it.cache.length = max(it.cache.length, end)
     x = runner.embed[torch.cat([it.token_ids for it in items]).to(dev)]  # (N, D), items' rows in order
     cos, sin = (torch.cat(t) for t in zip(*(runner.rope(r) for r in rows)))  # (N, 1, hd) each
     plans = [kernels.attention_plan(r) for r in rows]
     kv_rows: list[list[torch.Tensor]] = [[] for _ in items]
     out_rows: list[list[torch.Tensor]] = [[] for _ in items]
     deviations: list[dict] = [{} for _ in items]
-    spans = [_span(r) for r in rows]  # each item's (first row, last row + 1), kept in step with rows
     cu = list(accumulate((r.shape[0] for r in rows), initial=0))  # item i's rows are x[cu[i]:cu[i+1]]
     for l in range(runner.num_layers):
         q, k, v = runner._qkv(ws, l, x, cos, sin)  # (N, H, hd), (N, Hkv, hd) ×2
