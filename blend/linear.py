@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from . import kernels
 
 Linear = Callable[[torch.Tensor, object, torch.Tensor | None], torch.Tensor]
+NormLinear = Callable[[torch.Tensor, torch.Tensor, float, object, torch.Tensor | None], torch.Tensor]
+ActLinear = Callable[[torch.Tensor, object], torch.Tensor]
 DECODE_WEIGHTS = ("model", "float16", "int8")  # "model": decode multiplies by the prefill's own matrices
 
 
@@ -44,6 +46,8 @@ class Weights:
     layers: list[Layer]
     lm_head: object  # (V, D)
     linear: Linear  # (x (n, in), a prepared (out, in) weight, bias) → (n, out)
+    norm_linear: NormLinear  # (x, norm weight (in,), eps, weight, bias) → linear(rms_norm(x), weight, bias)
+    act_linear: ActLinear  # (gu (n, 2·in) gate then up, weight) → linear(silu(gate) · up, weight)
     bytes: int  # the matrices' bytes as this path stores them: what one product of each reads
 
 
@@ -56,7 +60,11 @@ def make_weights(state: dict[str, torch.Tensor], num_layers: int, kind: str = "m
     layers = [_layer(state, f"model.layers.{i}.", prepare) for i in range(num_layers)]
     matrices = [n for n in state if n.startswith("model.layers.") and n.endswith("_proj.weight")]
     numel = w.numel() + sum(state[n].numel() for n in matrices)
-    return Weights(layers, prepare(w), linear, numel * itemsize)
+    if linear is _int8_linear:  # its input pass makes the norm or the activation too
+        return Weights(layers, prepare(w), linear, _int8_norm_linear, _int8_act_linear, numel * itemsize)
+    return Weights(layers, prepare(w), linear,
+                   lambda x, ln, eps, w, b=None: linear(kernels.rms_norm(x, ln, eps), w, b),
+                   lambda gu, w: linear(kernels.silu_mul(gu), w, None), numel * itemsize)
 
 
 def _path(device: torch.device, dtype: torch.dtype, kind: str) -> tuple[Callable, Linear, int]:
@@ -101,9 +109,21 @@ def _int8_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Ten
     other rows of a batch. Each row goes in mapped onto [0, 1] (x = low + span · u), so every batch's range
     is [0, 1], a row is quantized over its own range, and a sequence's product is the one it gets alone:
     W·x = span · (W·u) + low · (W's row sums)."""
+    return _int8_product(*kernels.spread_rows(x), w, b)
+
+
+def _int8_norm_linear(x: torch.Tensor, ln: torch.Tensor, eps: float, w, b: torch.Tensor | None = None):
+    return _int8_product(*kernels.spread_rows(x, ln, eps), w, b)
+
+
+def _int8_act_linear(gu: torch.Tensor, w) -> torch.Tensor:
+    return _int8_product(*kernels.spread_rows(gu, silu_mul=True), w, None)
+
+
+def _int8_product(u: torch.Tensor, ends: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
+    """u (n, in) rows on [0, 1], ends (2, n, 1) their (low, span) → W·x + b (n, out)."""
     packed, sums = w
-    u, low, span = kernels.spread_rows(x)  # (n, in), (n, 1), (n, 1)
-    y = torch.ops.quantized.linear_dynamic(u, packed, False).mul_(span).addmm_(low, sums)
+    y = kernels.unspread_(torch.ops.quantized.linear_dynamic(u, packed, False), ends, sums)
     return y if b is None else y + b
 
 

@@ -23,16 +23,6 @@ def rope_frequencies(config) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scaling)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (n, heads, hd); cos, sin (n, 1, hd) → x rotated to its rows' positions."""
-    return x * cos + rotate_half(x) * sin
-
-
 class RopeTable:
     """cos/sin per position, grown on demand; computed as transformers does (float32 angles)."""
 

@@ -14,13 +14,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from . import kernels
 from .cache import KVCache
 from .linear import Weights, make_weights
 from .model import Model
-from .rope import RopeTable, apply_rope, rope_frequencies
+from .rope import RopeTable, rope_frequencies
 
 
 @dataclass(frozen=True)
@@ -82,13 +81,6 @@ class Selected:
     deviations: dict = field(default_factory=dict)  # check layer → (rows (n,), ||ΔK||² (n,), ||ΔV||² (n,))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype."""
-    h = x.float()
-    h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
 class Runner:
     def __init__(self, model: Model, decode_weights: str = "model"):
         """`decode_weights`: the matrices `blend.batch.decode_batch` multiplies by (`linear.DECODE_WEIGHTS`)."""
@@ -141,22 +133,22 @@ class Runner:
         """x (n, D), cos/sin (n, 1, hd) of the rows' positions → q (n, H, hd), k (n, Hkv, hd) post-RoPE, v."""
         w = ws.layers[l]
         n, hd = x.shape[0], self.head_dim
-        qkv = ws.linear(rms_norm(x, w.ln1, self.eps), w.wqkv, w.bqkv)
+        qkv = ws.norm_linear(x, w.ln1, self.eps, w.wqkv, w.bqkv)
+        if w.q_norm is None:
+            return kernels.split_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
         q, k, v = qkv.split([self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], dim=-1)
-        q, k, v = q.view(n, -1, hd), k.view(n, -1, hd), v.view(n, -1, hd)
-        if w.q_norm is not None:
-            q, k = rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q, k, v = q.view(n, -1, hd), k.view(n, -1, hd), v.view(n, -1, hd)  # qwen3: each head normed first
+        q, k = kernels.rms_norm(q, w.q_norm, self.eps), kernels.rms_norm(k, w.k_norm, self.eps)
+        return kernels.apply_rope(q, cos, sin), kernels.apply_rope(k, cos, sin), v
 
     def _finish(self, ws: Weights, l: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, MLP. x (n, D), attn (n, H, hd) → (n, D)."""
         w = ws.layers[l]
         x = x + ws.linear(attn.reshape(x.shape[0], -1), w.wo)
-        gate, up = ws.linear(rms_norm(x, w.ln2, self.eps), w.wgu).chunk(2, dim=-1)
-        return x + ws.linear(F.silu(gate) * up, w.wd)
+        return x + ws.act_linear(ws.norm_linear(x, w.ln2, self.eps, w.wgu), w.wd)
 
     def _logits(self, ws: Weights, x: torch.Tensor) -> torch.Tensor:
-        return ws.linear(rms_norm(x, self.norm, self.eps), ws.lm_head).float()
+        return ws.norm_linear(x, self.norm, self.eps, ws.lm_head).float()
 
     # ---- entry points ----------------------------------------------------------------------
 

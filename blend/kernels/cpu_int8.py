@@ -1,5 +1,5 @@
 """Attention over int8 KV caches on the CPU, compiled by numba: the decode path of compact caches (and the
-two small passes beside it: a decode row's int8 write, and the int8 decode weights' input rows).
+small pass beside it: a decode row's int8 write).
 
 Torch has no float × int8 product that runs near memory speed here (`_weight_int8pack_mm` falls back
 to scalar code; widening int8 to float32 first writes four times the bytes it read), so the int8 keys
@@ -33,7 +33,7 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from .cpu_int8_loops import attend, quantize_rows, spread_rows  # noqa: E402
+from .cpu_int8_loops import attend, quantize_rows  # noqa: E402
 
 BLOCK = 1024  # keys per parallel task
 PARALLEL_FROM = 1 << 15  # key × K/V-head reads (~1 ms) below which a call runs on one core: TBB wakes too slowly
@@ -74,13 +74,6 @@ def write_rows_(q: torch.Tensor, scale: torch.Tensor, new: torch.Tensor, first: 
     quantized as `reference.quantize_int8` does."""
     assert q.dtype == torch.int8 and scale.dtype == new.dtype == torch.float32
     quantize_rows(new.numpy(), q.numpy(), scale.numpy(), first)
-
-
-def spread(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (n, d) float32 → (each row mapped onto [0, 1] (n, d), its least value (n, 1), its range (n, 1))."""
-    out, ends = spread_rows(x.numpy())
-    ends = torch.from_numpy(ends)
-    return torch.from_numpy(out), ends[0], ends[1]
 
 
 def _layer(x: torch.Tensor) -> tuple[int, int]:

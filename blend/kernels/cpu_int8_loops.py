@@ -1,5 +1,4 @@
-"""The compiled code of `cpu_int8`: `spread_rows`, the int8 decode weights' input, `quantize_rows`, the
-int8 cache's write, and the attention: `attend`,
+"""The compiled code of `cpu_int8`: `quantize_rows`, the int8 cache's write, and the attention: `attend`,
 the parallel driver, and its loops over one
 block of keys of one K/V head, written so LLVM vectorizes them: widen eight int8 rows into float32 once,
 then reuse each loaded query (scores) or accumulator (values) eight times; the softmax's max in 16 lanes
@@ -84,24 +83,6 @@ def exp_into(x, out, bits):  # pragma: no cover — compiled
     two = bits.view(np.float32)
     for t in range(x.shape[0]):
         out[t] *= two[t]
-
-
-@numba.njit(cache=True)  # no fastmath: a row's largest value must map to exactly 1
-def spread_rows(x):  # pragma: no cover — compiled
-    """x (n, d) f32 → (out (n, d) f32, each row mapped onto [0, 1]: (x − low) / span; ends (2, n, 1) f32:
-    low, each row's least value, and span, its largest less that (1 where the row is constant)). Allocated
-    here: three torch.empty and four .numpy() cost 6 µs a call, the pass itself 0.7."""
-    n, d = x.shape
-    out, ends = np.empty((n, d), dtype=np.float32), np.empty((2, n, 1), dtype=np.float32)
-    for r in range(n):
-        lo, hi = x[r, 0], x[r, 0]
-        for c in range(d):
-            lo, hi = min(lo, x[r, c]), max(hi, x[r, c])
-        width = hi - lo if hi > lo else np.float32(1)
-        ends[0, r, 0], ends[1, r, 0] = lo, width
-        for c in range(d):
-            out[r, c] = (x[r, c] - lo) / width
-    return out, ends
 
 
 @numba.njit(cache=True)  # no fastmath: x / scale must round as torch's division does

@@ -63,6 +63,36 @@ def attention_blocks(q_pos: torch.Tensor) -> list[Block]:
     return blocks
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu (n, 2·I), gate then up → silu(gate) · up (n, I)."""
+    gate, up = gu.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (n, heads, hd); cos, sin (n, 1, hd) → x rotated to its rows' positions."""
+    return x * cos + rotate_half(x) * sin
+
+
+def split_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int):
+    """qkv (n, (H + 2·Hkv)·hd), cos/sin (n, 1, hd) → q (n, H, hd), k (n, Hkv, hd) post-RoPE, v (n, Hkv, hd)."""
+    n, hd = qkv.shape[0], cos.shape[-1]
+    q, k, v = (t.view(n, -1, hd) for t in qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1))
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
 def realign_rope_(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, src: torch.Tensor | None = None) -> None:
     """k (B, n, hd) ← R(delta)·src, src defaulting to k itself; cos, sin (n, hd/2) float32."""
     half = k.shape[-1] // 2
