@@ -56,31 +56,34 @@ def make_weights(state: dict[str, torch.Tensor], num_layers: int, kind: str = "m
     if kind not in DECODE_WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(DECODE_WEIGHTS)}")
     w = state["lm_head.weight"]
-    prepare, linear, itemsize = _path(w.device, w.dtype, kind)
+    prepare, products, itemsize = _path(w.device, w.dtype, kind)
     layers = [_layer(state, f"model.layers.{i}.", prepare) for i in range(num_layers)]
     matrices = [n for n in state if n.startswith("model.layers.") and n.endswith("_proj.weight")]
     numel = w.numel() + sum(state[n].numel() for n in matrices)
-    if linear is _int8_linear:  # its input pass makes the norm or the activation too
-        return Weights(layers, prepare(w), linear, _int8_norm_linear, _int8_act_linear, numel * itemsize)
-    return Weights(layers, prepare(w), linear,
-                   lambda x, ln, eps, w, b=None: linear(kernels.rms_norm(x, ln, eps), w, b),
-                   lambda gu, w: linear(kernels.silu_mul(gu), w, None), numel * itemsize)
+    return Weights(layers, prepare(w), *products, numel * itemsize)
 
 
-def _path(device: torch.device, dtype: torch.dtype, kind: str) -> tuple[Callable, Linear, int]:
-    """(prepare a (out, in) weight, apply y = x @ wᵀ + b, bytes per weight) for this device, dtype and kind."""
+def _path(device: torch.device, dtype: torch.dtype, kind: str) -> tuple[Callable, tuple, int]:
+    """(prepare a (out, in) weight, its products (linear, norm_linear, act_linear), bytes per weight) for this
+    device, dtype and kind."""
     if kind == "float16" and device.type == "cpu" and dtype == torch.float32:
-        return torch.ops.quantized.linear_prepack_fp16, _fp16_linear, 2
-    if kind == "int8" and device.type == "cpu" and dtype == torch.float32:
-        return _int8_prepack, _int8_linear, 1
+        return torch.ops.quantized.linear_prepack_fp16, _around(_fp16_linear), 2
+    if kind == "int8" and device.type == "cpu" and dtype == torch.float32:  # its input pass makes the norm too
+        return _int8_prepack, (_int8_linear, _int8_norm_linear, _int8_act_linear), 1
     if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
         try:
             probe = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2), None)
             _packed_linear(torch.ones(1, 2), probe)
         except (AttributeError, RuntimeError):  # a torch build without these oneDNN ops
-            return (lambda w: w), F.linear, dtype.itemsize
-        return (lambda w: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)), _packed_linear, 4
-    return (lambda w: w), F.linear, dtype.itemsize
+            return (lambda w: w), _around(F.linear), dtype.itemsize
+        return (lambda w: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)), _around(_packed_linear), 4
+    return (lambda w: w), _around(F.linear), dtype.itemsize
+
+
+def _around(linear: Linear) -> tuple[Linear, NormLinear, ActLinear]:
+    """A product and the two a block runs after a pass over its input, that pass a kernel of its own."""
+    return (linear, lambda x, ln, eps, w, b=None: linear(kernels.rms_norm(x, ln, eps), w, b),
+            lambda gu, w: linear(kernels.silu_mul(gu), w, None))
 
 
 def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

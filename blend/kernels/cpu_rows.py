@@ -2,7 +2,8 @@
 numba: one call each where torch ran several ops (2–5 µs of dispatch each: an RMSNorm took 13 µs a row, RoPE of
 q and k 30, the int8 weights' spread and rebuild three ops a product). A compiled call costs 4–7 µs here, nearly
 all of it the crossing from torch to numpy; the work on a few rows is under a microsecond. One sequence's decode
-step at 2.5K tokens of context, int8 weights and KV, on a Zen 5 host: 25.1 → 20.5 ms (three runs each, alternated).
+step at 2.5K tokens of context, int8 weights and KV, on a 2-core AMD EPYC: 25.1 → 20.7 ms (means of three
+alternated runs, BENCHMARKS.md).
 
 Each is row by row, so a row's result never depends on the other rows of a batch. `rope_split` is bit for bit
 `reference.apply_rope` (no fastmath: no contraction into FMAs, the same products and sums); the others agree with
