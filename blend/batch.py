@@ -55,8 +55,16 @@ def forward_batch(runner: Runner, items: list[Rows], ws: Weights | None = None,
     out_rows: list[list[torch.Tensor]] = [[] for _ in items]
     deviations: list[dict] = [{} for _ in items]
     cu = list(accumulate((r.shape[0] for r in rows), initial=0))  # item i's rows are x[cu[i]:cu[i+1]]
+    step = _compact_step(items, rows, cu, x.dtype)
     for l in range(runner.num_layers):
         q, k, v = runner._qkv(ws, l, x, cos, sin)  # (N, H, hd), (N, Hkv, hd) ×2
+        if step is not None:  # int8 caches: every row's K/V written and its attention in one compiled call
+            attn = kernels.step_attention(step, l, q, k, v, runner.scale)
+            for i in range(len(items)):
+                kv_rows[i].append(rows[i])
+                out_rows[i].append(rows[i])
+            x = runner._finish(ws, l, x, attn)
+            continue
         keep: list[torch.Tensor | None] = [None] * len(items)  # the rows a deviation filter kept, where one did
         for i, it in enumerate(items):
             a, b = cu[i], cu[i + 1]
@@ -79,6 +87,16 @@ def forward_batch(runner: Runner, items: list[Rows], ws: Weights | None = None,
     last = torch.tensor([c - 1 for c in cu[1:]], device=dev)
     logits = runner._logits(ws, x[last])  # (B, V)
     return [Selected(logits[i], kv_rows[i], out_rows[i], deviations[i]) for i in range(len(items))]
+
+
+def _compact_step(items: list[Rows], rows: list[torch.Tensor], cu: list[int], dtype: torch.dtype):
+    """`kernels.compact_step` when every item is a plain int8 cache (a running sequence's: no deviation layers,
+    no re-weighting) under float32 rows, else None."""
+    caches = [it.cache for it in items]
+    if dtype != torch.float32 or any(c.k_scale is None or c.reweight is not None or c.pending is not None
+                                     or it.deviation_layers for c, it in zip(caches, items)):
+        return None
+    return kernels.compact_step([(c.k, c.v, c.k_scale, c.v_scale) for c in caches], torch.cat(rows), cu)
 
 
 def _attention(runner: Runner, items: list[Rows], l: int, q: torch.Tensor, rows: list[torch.Tensor], cu: list[int],

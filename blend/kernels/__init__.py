@@ -87,6 +87,25 @@ def varlen_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Ten
                       for a, b, k, v, sc in zip(cu_rows, cu_rows[1:], ks, vs, scales)])  # (N, H, hd)
 
 
+def compact_step(caches: list[tuple[torch.Tensor, ...]], q_pos: torch.Tensor, cu_rows: list[int]):
+    """A decode step over int8 caches on the CPU, found once for all its layers (None elsewhere: the caller
+    takes `KVCache.write` and `varlen_attention` per layer). caches[i] = sequence i's whole (k, v, k_scale,
+    v_scale), (L, Hkv, capacity, hd) and (L, Hkv, capacity); its rows q_pos[cu_rows[i]:cu_rows[i+1]]."""
+    if q_pos.is_cuda or any(c[0].dtype != torch.int8 for c in caches):
+        return None
+    from . import cpu_int8
+
+    return cpu_int8.step(caches, q_pos, cu_rows)
+
+
+def step_attention(step, l: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Layer l of a `compact_step`: the rows' new K, V (N, Hkv, hd) written into their caches as
+    `write_int8_` writes them, then `varlen_attention` of q (N, H, hd) float32 → (N, H, hd)."""
+    from . import cpu_int8
+
+    return cpu_int8.step_attention(step, l, q, k, v, scale)
+
+
 def attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     """The question's attention on each key: softmax over all T keys per row and head, summed.
 

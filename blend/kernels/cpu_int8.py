@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -33,10 +34,40 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from .cpu_int8_loops import attend, quantize_rows  # noqa: E402
+from .cpu_int8_loops import attend, quantize_rows, write_rows  # noqa: E402
 
 BLOCK = 1024  # keys per parallel task
 PARALLEL_FROM = 1 << 15  # key × K/V-head reads (~1 ms) below which a call runs on one core: TBB wakes too slowly
+
+
+@dataclass(frozen=True)
+class Step:
+    """Where a decode step's sequences keep their int8 layers, found once for all its layers (per layer, the
+    views, pointers and numpy arrays cost ~80 µs here, ~40% of the attention they fed)."""
+
+    addresses: np.ndarray  # (L, S, 4) int64: layer l of sequence s's K, V (Hkv, capacity, hd) and scales (Hkv, capacity)
+    capacity: np.ndarray  # (S,) int64
+    seq: np.ndarray  # (N,) int64: the sequence of each query row
+    pos: np.ndarray  # (N,) int64: each row's position, ascending within its sequence
+    hkv: int
+    threads: int
+
+
+def step(caches: list[tuple[torch.Tensor, ...]], q_pos: torch.Tensor, cu_rows: list[int]) -> Step:
+    """caches[i] = (k, v, k_scale, v_scale): sequence i's whole int8 cache, (L, Hkv, capacity, hd) and (L, Hkv,
+    capacity), each layer contiguous; its rows q_pos[cu_rows[i]:cu_rows[i+1]] → the step's `Step`."""
+    assert all(c[0].dtype == c[1].dtype == torch.int8 for c in caches)
+    bases = np.array([[_base(t) for t in c] for c in caches], dtype=np.int64)  # (S, 4, 2): address, layer stride
+    layers = np.arange(caches[0][0].shape[0], dtype=np.int64)[:, None, None]
+    return _step(bases[None, :, :, 0] + layers * bases[None, :, :, 1], [c[0].shape[2] for c in caches], q_pos,
+                 cu_rows, caches[0][0].shape[1])
+
+
+def step_attention(st: Step, l: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Layer l of a step: the rows' new K, V (N, Hkv, hd) float32 written at their positions (as `write_rows_`),
+    then their attention, q (N, H, hd) float32 → (N, H, hd)."""
+    write_rows(k.contiguous().numpy(), v.contiguous().numpy(), st.seq, st.pos, st.addresses[l], st.capacity, st.hkv)
+    return _attend(st, l, q, scale)
 
 
 def varlen_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], q_pos: torch.Tensor,
@@ -45,20 +76,28 @@ def varlen_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Ten
     ks[i], vs[i] (Hkv, T_i, hd) int8 with scales[i] = (k_scale, v_scale) (Hkv, T_i) float32, each a layer's
     first rows (each row's hd contiguous) → (N, H, hd) float32."""
     assert q.dtype == torch.float32 and all(k.dtype == v.dtype == torch.int8 for k, v in zip(ks, vs))
-    out = torch.empty(q.shape, dtype=torch.float32)
     if not q.shape[0]:
-        return out
+        return torch.empty(q.shape, dtype=torch.float32)
+    layers = [[_layer(t) for t in (k, v, *sc)] for k, v, sc in zip(ks, vs, scales)]  # (address, capacity) each
+    addresses = np.array([[[a for a, _ in ls] for ls in layers]], dtype=np.int64)  # (1, S, 4)
+    return _attend(_step(addresses, [ls[0][1] for ls in layers], q_pos, cu_rows, ks[0].shape[0]), 0, q, scale)
+
+
+def _step(addresses: np.ndarray, capacity: list[int], q_pos: torch.Tensor, cu_rows: list[int], hkv: int) -> Step:
+    pos = q_pos.numpy().astype(np.int64, copy=False)
+    reads = (int(pos.sum()) + len(pos)) * hkv
+    threads = 1 if reads < PARALLEL_FROM else min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    return Step(addresses, np.array(capacity, dtype=np.int64), np.repeat(np.arange(len(capacity)), np.diff(cu_rows)),
+                pos, hkv, threads)
+
+
+def _attend(st: Step, l: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (N, H, hd) float32 over layer l of the step's caches → (N, H, hd) float32."""
+    out = torch.empty(q.shape, dtype=torch.float32)
     # numpy, not torch, from here: a torch op may wake torch's OpenMP team, whose spinning worker then
     # holds the core TBB's worker needs (measured: no gain from a second core after one)
-    layers = [[_layer(t) for t in (k, v, *sc)] for k, v, sc in zip(ks, vs, scales)]  # (address, capacity) each
-    addresses = np.array([[a for a, _ in ls] for ls in layers], dtype=np.int64)
-    capacity = np.array([ls[0][1] for ls in layers], dtype=np.int64)
-    seq = np.repeat(np.arange(len(ks)), np.diff(cu_rows))
-    pos = q_pos.numpy()
-    hkv = ks[0].shape[0]
-    reads = (int(pos.sum()) + len(pos)) * hkv
-    numba.set_num_threads(1 if reads < PARALLEL_FROM else min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    attend(q.contiguous().numpy(), seq, pos, addresses, capacity, hkv, scale, out.numpy(), BLOCK)
+    numba.set_num_threads(st.threads)
+    attend(q.contiguous().numpy(), st.seq, st.pos, st.addresses[l], st.capacity, st.hkv, scale, out.numpy(), BLOCK)
     return out
 
 
@@ -84,3 +123,10 @@ def _layer(x: torch.Tensor) -> tuple[int, int]:
     step = x.stride()
     assert step[-1] == 1 and step[1] == row and step[0] % row == 0, step
     return x.data_ptr(), step[0] // row
+
+
+def _base(x: torch.Tensor) -> tuple[int, int]:
+    """A whole cache tensor (L, Hkv, capacity[, hd]) → its address and the bytes from one layer to the next; each
+    layer must be contiguous (the kernel addresses it so)."""
+    assert x.is_contiguous() or x[0].is_contiguous(), x.stride()
+    return x.data_ptr(), x.stride(0) * x.element_size()

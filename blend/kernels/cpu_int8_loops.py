@@ -1,6 +1,5 @@
-"""The compiled code of `cpu_int8`: `quantize_rows`, the int8 cache's write, and the attention: `attend`,
-the parallel driver, and its loops over one
-block of keys of one K/V head, written so LLVM vectorizes them: widen eight int8 rows into float32 once,
+"""The compiled code of `cpu_int8`: `quantize_rows`, the int8 cache's write (`write_rows`: at a step's
+addresses), and the attention: `attend`, the parallel driver, and its loops over one block of keys of one K/V head, written so LLVM vectorizes them: widen eight int8 rows into float32 once,
 then reuse each loaded query (scores) or accumulator (values) eight times; the softmax's max in 16 lanes
 and its exp into a buffer of its own (in place, LLVM's overlap check runs the scalar loop). One file for
 all of it: numba's on-disk cache keys a function by its own file, so a driver cached in another file
@@ -217,3 +216,16 @@ def attend(q, seq, pos, addresses, capacity, hkv, scale, out, block):  # pragma:
         r, j = u // hkv, u % hkv
         merge(m[first[r]:first[r + 1], j], l[first[r]:first[r + 1], j], acc[first[r]:first[r + 1], j],
               out[r, j * g:(j + 1) * g])
+
+
+@numba.njit(cache=True)
+def write_rows(k, v, seq, pos, addresses, capacity, hkv):  # pragma: no cover — compiled
+    """k, v (n, Hkv, hd) f32: row r's K and V quantized (as `quantize_rows`) into position pos[r] of sequence
+    seq[r]'s layer at addresses (S, 4) (`attend`'s)."""
+    hd = k.shape[2]
+    for r in range(k.shape[0]):
+        s, cap = seq[r], capacity[seq[r]]
+        for x, a in ((k, 0), (v, 1)):
+            q = numba.carray(_pointer(addresses[s, a]), (hkv, cap, hd), np.int8)
+            scale = numba.carray(_pointer(addresses[s, a + 2]), (hkv, cap), np.float32)
+            quantize_rows(x[r:r + 1], q, scale, pos[r])
