@@ -55,7 +55,7 @@ def forward_batch(runner: Runner, items: list[Rows], ws: Weights | None = None,
     out_rows: list[list[torch.Tensor]] = [[] for _ in items]
     deviations: list[dict] = [{} for _ in items]
     cu = list(accumulate((r.shape[0] for r in rows), initial=0))  # item i's rows are x[cu[i]:cu[i+1]]
-    step = _compact_step(items, rows, cu, x.dtype)
+    step = _compact_step(items, rows, cu, x.dtype, ws.on_numba)
     for l in range(runner.num_layers):
         q, k, v = runner._qkv(ws, l, x, cos, sin)  # (N, H, hd), (N, Hkv, hd) ×2
         if step is not None:  # int8 caches: every row's K/V written and its attention in one compiled call
@@ -89,14 +89,14 @@ def forward_batch(runner: Runner, items: list[Rows], ws: Weights | None = None,
     return [Selected(logits[i], kv_rows[i], out_rows[i], deviations[i]) for i in range(len(items))]
 
 
-def _compact_step(items: list[Rows], rows: list[torch.Tensor], cu: list[int], dtype: torch.dtype):
+def _compact_step(items: list[Rows], rows: list[torch.Tensor], cu: list[int], dtype: torch.dtype, warm: bool):
     """`kernels.compact_step` when every item is a plain int8 cache (a running sequence's: no deviation layers,
-    no re-weighting) under float32 rows, else None."""
+    no re-weighting) under float32 rows, else None. `warm`: the products run on numba's threads."""
     caches = [it.cache for it in items]
     if dtype != torch.float32 or any(c.k_scale is None or c.reweight is not None or c.pending is not None
                                      or it.deviation_layers for c, it in zip(caches, items)):
         return None
-    return kernels.compact_step([(c.k, c.v, c.k_scale, c.v_scale) for c in caches], torch.cat(rows), cu)
+    return kernels.compact_step([(c.k, c.v, c.k_scale, c.v_scale) for c in caches], torch.cat(rows), cu, warm)
 
 
 def _attention(runner: Runner, items: list[Rows], l: int, q: torch.Tensor, rows: list[torch.Tensor], cu: list[int],

@@ -7,7 +7,10 @@ once per step for a handful of rows, so it is bound by the weights' bytes: `floa
 half-size copy that fbgemm's GEMM widens to float32 inside its kernel (weight-only: the rows and the
 sums stay float32); `int8` a quarter-size copy, one symmetric scale per output row, through fbgemm's
 dynamic int8 GEMM, which quantizes each call's rows to 8 bits too (each row over its own range), so it
-is not weight-only: ~1% relative error a product, where float16's is ~0.02%.
+is not weight-only: ~1% relative error a product, where float16's is ~0.02%. `int4` keeps the blocks' matrices
+in 4-bit groups of 32 and the LM head in 8-bit groups (GGUF's Q4_1 and Q8_0: the bundled SmolLM2's own
+formats, so its weights pack without loss), weight-only, through `kernels.group_linear`: the fewest bytes
+and the fastest step for one sequence; slower than `int8` from a few rows on.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from . import kernels
 Linear = Callable[[torch.Tensor, object, torch.Tensor | None], torch.Tensor]
 NormLinear = Callable[[torch.Tensor, torch.Tensor, float, object, torch.Tensor | None], torch.Tensor]
 ActLinear = Callable[[torch.Tensor, object], torch.Tensor]
-DECODE_WEIGHTS = ("model", "float16", "int8")  # "model": decode multiplies by the prefill's own matrices
+DECODE_WEIGHTS = ("model", "float16", "int8", "int4")  # "model": decode multiplies by the prefill's own matrices
 
 
 @dataclass
@@ -49,6 +52,7 @@ class Weights:
     norm_linear: NormLinear  # (x, norm weight (in,), eps, weight, bias) → linear(rms_norm(x), weight, bias)
     act_linear: ActLinear  # (gu (n, 2·in) gate then up, weight) → linear(silu(gate) · up, weight)
     bytes: int  # the matrices' bytes as this path stores them: what one product of each reads
+    on_numba: bool = False  # its products run on numba's threads (int4), which the step's attention may then share
 
 
 def make_weights(state: dict[str, torch.Tensor], num_layers: int, kind: str = "model") -> Weights:
@@ -56,28 +60,44 @@ def make_weights(state: dict[str, torch.Tensor], num_layers: int, kind: str = "m
     if kind not in DECODE_WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(DECODE_WEIGHTS)}")
     w = state["lm_head.weight"]
-    prepare, products, itemsize = _path(w.device, w.dtype, kind)
+    prepare, prepare_head, products, itemsize = _path(w.device, w.dtype, kind)
     layers = [_layer(state, f"model.layers.{i}.", prepare) for i in range(num_layers)]
+    head = prepare_head(w)
+    if itemsize is None:  # the prepared matrices know their bytes
+        return Weights(layers, head, *products, head.nbytes + sum(m.nbytes for ly in layers
+                                                                  for m in (ly.wqkv, ly.wo, ly.wgu, ly.wd)), True)
     matrices = [n for n in state if n.startswith("model.layers.") and n.endswith("_proj.weight")]
     numel = w.numel() + sum(state[n].numel() for n in matrices)
-    return Weights(layers, prepare(w), *products, numel * itemsize)
+    return Weights(layers, head, *products, numel * itemsize)
 
 
-def _path(device: torch.device, dtype: torch.dtype, kind: str) -> tuple[Callable, tuple, int]:
-    """(prepare a (out, in) weight, its products (linear, norm_linear, act_linear), bytes per weight) for this
-    device, dtype and kind."""
-    if kind == "float16" and device.type == "cpu" and dtype == torch.float32:
-        return torch.ops.quantized.linear_prepack_fp16, _around(_fp16_linear), 2
-    if kind == "int8" and device.type == "cpu" and dtype == torch.float32:  # its input pass makes the norm too
-        return _int8_prepack, (_int8_linear, _int8_norm_linear, _int8_act_linear), 1
-    if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
+def _path(device: torch.device, dtype: torch.dtype, kind: str) -> tuple[Callable, Callable, tuple, int | None]:
+    """(prepare a block's (out, in) weight, prepare the LM head's, their products (linear, norm_linear,
+    act_linear), bytes per weight or None where the prepared matrices say) for this device, dtype and kind."""
+    cpu32 = device.type == "cpu" and dtype == torch.float32
+    if kind == "float16" and cpu32:
+        fp16 = torch.ops.quantized.linear_prepack_fp16
+        return fp16, fp16, _around(_fp16_linear), 2
+    if kind == "int8" and cpu32:  # its input pass makes the norm too
+        return _int8_prepack, _int8_prepack, (_int8_linear, _int8_norm_linear, _int8_act_linear), 1
+    if kind == "int4" and cpu32:
+        return (lambda w: kernels.group_pack(w, 4)), (lambda w: kernels.group_pack(w, 8)), _around(_group_linear), None
+    if cpu32 and torch.backends.mkldnn.is_available():
         try:
             probe = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2), None)
             _packed_linear(torch.ones(1, 2), probe)
         except (AttributeError, RuntimeError):  # a torch build without these oneDNN ops
-            return (lambda w: w), _around(F.linear), dtype.itemsize
-        return (lambda w: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)), _around(_packed_linear), 4
-    return (lambda w: w), _around(F.linear), dtype.itemsize
+            return _same, _same, _around(F.linear), dtype.itemsize
+        return _onednn_prepack, _onednn_prepack, _around(_packed_linear), 4
+    return _same, _same, _around(F.linear), dtype.itemsize
+
+
+def _same(w: torch.Tensor) -> torch.Tensor:
+    return w
+
+
+def _onednn_prepack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
 
 
 def _around(linear: Linear) -> tuple[Linear, NormLinear, ActLinear]:
@@ -92,6 +112,11 @@ def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
 
 def _fp16_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     y = torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), w)  # w packed with its bias None
+    return y if b is None else y + b
+
+
+def _group_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    y = kernels.group_linear(x, w)
     return y if b is None else y + b
 
 

@@ -15,7 +15,7 @@ CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "kv_dtype": ("auto", "float32", "bfloat16", "float16", "int8"),
     "kv_cache_dtype": ("auto", "float32", "bfloat16", "int8"),
-    "decode_weights": ("model", "float16", "int8"),
+    "decode_weights": ("model", "float16", "int8", "int4"),
     "chunk_prefill": ("prefixed", "alone"),
     "index_kind": ("flat", "ivf", "hnsw"),
     "retrieval": ("dense", "bm25", "hybrid"),
@@ -96,7 +96,8 @@ class Settings(BaseSettings):
     # | bfloat16 | int8 (a float32 scale per layer, head and token); the fused prefill works at the model's dtype
     decode_weights: str = "model"  # the matrices a decode step reads: model (the prefill's) | float16 (a float32
     # model on CPU: a half-size copy fbgemm widens inside its GEMM | int8: a quarter-size copy through fbgemm's
-    # dynamic int8 GEMM, its rows quantized too, ~1% error a product; prefill and recompute keep float32)
+    # dynamic int8 GEMM, its rows quantized too, ~1% error a product | int4: 4-bit groups of 32 (LM head 8-bit),
+    # weight-only, lossless for the bundled GGUF, fastest for one sequence; prefill and recompute keep float32)
     max_step_rows: int = 8192  # recomputed rows one scheduler step admits (at least one request; longer: × layers)
     shared_step_rows: int = 64  # the same while more than one tenant is active: a step is short,
     # so one tenant's long prefills delay another's first token by about one short step, not one long one

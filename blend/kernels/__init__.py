@@ -87,15 +87,16 @@ def varlen_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Ten
                       for a, b, k, v, sc in zip(cu_rows, cu_rows[1:], ks, vs, scales)])  # (N, H, hd)
 
 
-def compact_step(caches: list[tuple[torch.Tensor, ...]], q_pos: torch.Tensor, cu_rows: list[int]):
+def compact_step(caches: list[tuple[torch.Tensor, ...]], q_pos: torch.Tensor, cu_rows: list[int], warm: bool = False):
     """A decode step over int8 caches on the CPU, found once for all its layers (None elsewhere: the caller
     takes `KVCache.write` and `varlen_attention` per layer). caches[i] = sequence i's whole (k, v, k_scale,
-    v_scale), (L, Hkv, capacity, hd) and (L, Hkv, capacity); its rows q_pos[cu_rows[i]:cu_rows[i+1]]."""
+    v_scale), (L, Hkv, capacity, hd) and (L, Hkv, capacity); its rows q_pos[cu_rows[i]:cu_rows[i+1]]. `warm`:
+    the step's products are `group_linear`'s, so numba's threads are awake and the attention splits sooner."""
     if q_pos.is_cuda or any(c[0].dtype != torch.int8 for c in caches):
         return None
     from . import cpu_int8
 
-    return cpu_int8.step(caches, q_pos, cu_rows)
+    return cpu_int8.step(caches, q_pos, cu_rows, warm)
 
 
 def step_attention(step, l: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -189,6 +190,21 @@ def unspread_(y: torch.Tensor, ends: torch.Tensor, sums: torch.Tensor) -> torch.
 
     cpu_rows.unspread_(y.numpy(), ends.numpy(), sums.numpy())
     return y
+
+
+def group_pack(w: torch.Tensor, bits: int):
+    """A decode weight w (out, in) float32 in groups of 32 inputs at 4 bits (step and minimum per group) or 8
+    (step per group), fp16 steps (GGUF's Q4_1 and Q8_0), for `group_linear`; CPU only."""
+    from . import cpu_groups
+
+    return cpu_groups.pack(w, bits)
+
+
+def group_linear(x: torch.Tensor, w) -> torch.Tensor:
+    """x (n, in) float32 → x · Wᵀ (n, out) for a `group_pack`ed W, weight-only: sums in float32."""
+    from . import cpu_groups
+
+    return cpu_groups.linear(x, w)
 
 
 def widen(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

@@ -11,33 +11,22 @@ the calling thread. `reference.compact_attention` is this kernel's oracle.
 """
 from __future__ import annotations
 
-import ctypes
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
+from . import cpu_threads  # before numba: its parallel loops on TBB
 
-def _load_tbb() -> None:
-    """Make numba run its parallel loops on TBB. Its OpenMP layer, launched from any thread but the
-    main one (the server's model thread), ran a decode step 5x slower on this machine (299 against
-    59 ms, SmolLM2 at 2.5K tokens of context); TBB's does not (71 ms). The `tbb` wheel puts libtbb in
-    the environment's lib/, off the loader's path: loaded here before numba, numba's default order
-    (tbb, omp, workqueue) takes it. Without the wheel numba falls back to OpenMP."""
-    lib = Path(sys.prefix) / "lib" / "libtbb.so.12"
-    if lib.is_file():
-        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+import numba
+import numpy as np
+import torch
 
-
-_load_tbb()
-
-import numba  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from .cpu_int8_loops import attend, quantize_rows, write_rows  # noqa: E402
+from .cpu_int8_loops import attend, quantize_rows, write_rows
 
 BLOCK = 1024  # keys per parallel task
 PARALLEL_FROM = 1 << 15  # key × K/V-head reads (~1 ms) below which a call runs on one core: TBB wakes too slowly
+# numba's workers awake (the step's products ran on them: int4 weights) and no torch team spinning on the other
+# core: a sequence's layer splits from ~1.4K keys (3 K/V heads), in blocks of 256 (one sequence at 2.5K tokens:
+# ~1 ms a step faster; at 300 tokens one core is faster, at 800 even)
+WARM_PARALLEL_FROM, WARM_BLOCK = 1 << 12, 256
 
 
 @dataclass(frozen=True)
@@ -51,16 +40,18 @@ class Step:
     pos: np.ndarray  # (N,) int64: each row's position, ascending within its sequence
     hkv: int
     threads: int
+    block: int  # keys per parallel task
 
 
-def step(caches: list[tuple[torch.Tensor, ...]], q_pos: torch.Tensor, cu_rows: list[int]) -> Step:
+def step(caches: list[tuple[torch.Tensor, ...]], q_pos: torch.Tensor, cu_rows: list[int], warm: bool = False) -> Step:
     """caches[i] = (k, v, k_scale, v_scale): sequence i's whole int8 cache, (L, Hkv, capacity, hd) and (L, Hkv,
-    capacity), each layer contiguous; its rows q_pos[cu_rows[i]:cu_rows[i+1]] → the step's `Step`."""
+    capacity), each layer contiguous; its rows q_pos[cu_rows[i]:cu_rows[i+1]] → the step's `Step`. `warm`: the
+    step's products run on numba's threads too (WARM_PARALLEL_FROM)."""
     assert all(c[0].dtype == c[1].dtype == torch.int8 for c in caches)
     bases = np.array([[_base(t) for t in c] for c in caches], dtype=np.int64)  # (S, 4, 2): address, layer stride
     layers = np.arange(caches[0][0].shape[0], dtype=np.int64)[:, None, None]
     return _step(bases[None, :, :, 0] + layers * bases[None, :, :, 1], [c[0].shape[2] for c in caches], q_pos,
-                 cu_rows, caches[0][0].shape[1])
+                 cu_rows, caches[0][0].shape[1], warm)
 
 
 def step_attention(st: Step, l: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -83,12 +74,13 @@ def varlen_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Ten
     return _attend(_step(addresses, [ls[0][1] for ls in layers], q_pos, cu_rows, ks[0].shape[0]), 0, q, scale)
 
 
-def _step(addresses: np.ndarray, capacity: list[int], q_pos: torch.Tensor, cu_rows: list[int], hkv: int) -> Step:
+def _step(addresses: np.ndarray, capacity: list[int], q_pos: torch.Tensor, cu_rows: list[int], hkv: int,
+          warm: bool = False) -> Step:
     pos = q_pos.numpy().astype(np.int64, copy=False)
     reads = (int(pos.sum()) + len(pos)) * hkv
-    threads = 1 if reads < PARALLEL_FROM else min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    threads = 1 if reads < (WARM_PARALLEL_FROM if warm else PARALLEL_FROM) else cpu_threads.cores()
     return Step(addresses, np.array(capacity, dtype=np.int64), np.repeat(np.arange(len(capacity)), np.diff(cu_rows)),
-                pos, hkv, threads)
+                pos, hkv, threads, WARM_BLOCK if warm else BLOCK)
 
 
 def _attend(st: Step, l: int, q: torch.Tensor, scale: float) -> torch.Tensor:
@@ -97,7 +89,7 @@ def _attend(st: Step, l: int, q: torch.Tensor, scale: float) -> torch.Tensor:
     # numpy, not torch, from here: a torch op may wake torch's OpenMP team, whose spinning worker then
     # holds the core TBB's worker needs (measured: no gain from a second core after one)
     numba.set_num_threads(st.threads)
-    attend(q.contiguous().numpy(), st.seq, st.pos, st.addresses[l], st.capacity, st.hkv, scale, out.numpy(), BLOCK)
+    attend(q.contiguous().numpy(), st.seq, st.pos, st.addresses[l], st.capacity, st.hkv, scale, out.numpy(), st.block)
     return out
 
 

@@ -33,7 +33,7 @@ def run(settings, args) -> int:
     model = load_model(settings.model, settings.home, settings.device, settings.dtype)
     runner = Runner(model, "float16")  # runner.w: the model's float32 matrices; runner.decode_w: float16
     weights = {"float32": runner.w, "float16": runner.decode_w,
-               "int8": make_weights(model.state, runner.num_layers, "int8")}
+               **{kind: make_weights(model.state, runner.num_layers, kind) for kind in ("int8", "int4")}}
     threads = torch.get_num_threads()
     with torch.inference_mode():
         prefix = compute_prefix(runner, as_ids(chat_frame(model.tokenizer, settings.system_prompt).head))
@@ -124,7 +124,7 @@ def _answers(runner: Runner, fused: list, weights: dict, new_tokens: int) -> str
     for i, f in enumerate(fused):
         ref, margins = _greedy(runner, f, weights["float32"], torch.float32, new_tokens)
         for w, kv in (("float16", "float32"), ("float32", "int8"), ("float16", "int8"), ("int8", "float32"),
-                      ("int8", "int8")):
+                      ("int8", "int8"), ("int4", "float32"), ("int4", "int8")):
             ids, _ = _greedy(runner, f, weights[w], KV[kv], new_tokens)
             first = next((j for j, (a, b) in enumerate(zip(ids, ref)) if a != b), None)
             rows.append([i, f"{w} weights, {kv} KV", "yes" if first is None else "no",

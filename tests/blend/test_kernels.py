@@ -235,19 +235,24 @@ def test_cpu_int8_varlen_attention_is_each_sequence_alone(monkeypatch, parallel_
         assert torch.allclose(ours[a:b], ref, atol=1e-5, rtol=1e-5), i
 
 
-def test_compact_step_writes_and_attends_as_the_per_layer_calls_do():
+@pytest.mark.parametrize("warm", [False, True])
+def test_compact_step_writes_and_attends_as_the_per_layer_calls_do(monkeypatch, warm):
     """A decode step over whole int8 caches (two sequences, different capacities, a layer past the first): each
     row's K/V written where `write_int8_` writes it, bit for bit and nothing else touched, and the attention
-    `varlen_attention`'s over the layer's first rows, bit for bit (the same kernel)."""
+    `varlen_attention`'s over the layer's first rows: bit for bit (the same kernel), or split on every core in
+    blocks of 256 when warm (float32 rounding)."""
     from blend import kernels
+    from blend.kernels import cpu_int8
 
+    monkeypatch.setattr(cpu_int8, "WARM_PARALLEL_FROM", 0)
     caps, lengths, l = [300, 41], [257, 40], 2
     caches = [[torch.randint(-127, 128, (4, 3, c, 64), dtype=torch.int8) for _ in "kv"]
               + [torch.rand(4, 3, c) for _ in "kv"] for c in caps]
     before = [[t.clone() for t in c] for c in caches]
     pos, cu = torch.tensor([n - 1 for n in lengths]), [0, 1, 2]
     q, k, v = torch.randn(2, 9, 64), torch.randn(2, 3, 64), torch.randn(2, 3, 64)
-    step = kernels.compact_step([tuple(c) for c in caches], pos, cu)
+    step = kernels.compact_step([tuple(c) for c in caches], pos, cu, warm)
+    assert (step.threads > 1) == warm or torch.get_num_threads() == 1
     ours = kernels.step_attention(step, l, q, k, v, 0.125)
     for i, (b, n) in enumerate(zip(before, lengths)):
         kernels.write_int8_(b[0][l], b[2][l], k[i : i + 1], n - 1)
@@ -256,7 +261,8 @@ def test_compact_step_writes_and_attends_as_the_per_layer_calls_do():
     ks = [c[0][l][:, :n] for c, n in zip(caches, lengths)]
     vs = [c[1][l][:, :n] for c, n in zip(caches, lengths)]
     scales = [(c[2][l][:, :n], c[3][l][:, :n]) for c, n in zip(caches, lengths)]
-    assert torch.equal(ours, kernels.varlen_attention(q, ks, vs, pos, cu, 0.125, scales=scales))
+    ref = kernels.varlen_attention(q, ks, vs, pos, cu, 0.125, scales=scales)
+    assert torch.equal(ours, ref) if not warm else torch.allclose(ours, ref, atol=1e-6, rtol=1e-5)
 
 
 def test_cpu_int8_cache_write_is_the_reference_quantization_bit_for_bit():

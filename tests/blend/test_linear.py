@@ -30,11 +30,17 @@ def _step(runner, prompt, ws) -> torch.Tensor:
     return forward_batch(runner, [Rows(cache, ids[-1:], torch.tensor([cache.length]))], ws)[0].logits
 
 
-@pytest.mark.parametrize("kind, bound, size", [("float16", 1e-3, 1 / 2), ("int8", 5e-2, 1 / 4)])
+@pytest.mark.parametrize("kind, bound, size", [("float16", 1e-3, 1 / 2), ("int8", 5e-2, 1 / 4), ("int4", 1e-4, None)])
 def test_a_decode_step_through_each_kind_of_weights_is_within_its_bound_of_float32(
         smollm, smol_runner, prompt, kind, bound, size):
+    """int4 packs the bundled GGUF's Q4_1 and Q8_0 weights without loss: its bound is float32 rounding's."""
     ws = make_weights(smollm.state, smol_runner.num_layers, kind)
-    assert ws.bytes == smol_runner.w.bytes * size
+    if size is None:  # blocks 4 bits a weight and two fp16 a group of 32; the LM head 8 bits and one fp16
+        head = smollm.state["lm_head.weight"].numel()
+        blocks = smol_runner.w.bytes / 4 - head
+        assert ws.bytes == blocks * (0.5 + 4 / 32) + head * (1 + 2 / 32)
+    else:
+        assert ws.bytes == smol_runner.w.bytes * size
     ref, got = _step(smol_runner, prompt, smol_runner.w), _step(smol_runner, prompt, ws)
     error = float((got - ref).norm() / ref.norm())
     assert error < bound, f"{kind} logits {error:.4f} from float32's (relative)"
@@ -42,15 +48,17 @@ def test_a_decode_step_through_each_kind_of_weights_is_within_its_bound_of_float
 
 
 def test_an_unknown_kind_of_decode_weights_is_refused_by_name(smollm, smol_runner):
-    assert "int8" in DECODE_WEIGHTS
-    with pytest.raises(ValueError, match="model, float16, int8"):
-        make_weights(smollm.state, smol_runner.num_layers, "int4")
+    assert "int4" in DECODE_WEIGHTS
+    with pytest.raises(ValueError, match="model, float16, int8, int4"):
+        make_weights(smollm.state, smol_runner.num_layers, "int2")
 
 
-def test_int8_decode_weights_give_a_sequence_in_a_batch_what_it_gets_alone(smollm, smol_runner, prompt):
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_decode_weights_give_a_sequence_in_a_batch_what_it_gets_alone(smollm, smol_runner, prompt, kind):
     """fbgemm quantizes a product's input over the whole batch; each row spread to its own range keeps one
-    sequence's rounding from depending on the others (here a second sequence with far larger activations)."""
-    ws = make_weights(smollm.state, smol_runner.num_layers, "int8")
+    sequence's rounding from depending on the others (here a second sequence with far larger activations).
+    int4's products are row by row (weight-only), four rows at a time or one."""
+    ws = make_weights(smollm.state, smol_runner.num_layers, kind)
     ids, pre = prompt
     other = torch.full((40,), int(ids[3]))  # one token repeated: activations unlike the prompt's
 
