@@ -26,12 +26,13 @@ TILE, GROUP = 64, 32
 @dataclass(frozen=True)
 class Grouped:
     """An (out, in) matrix in `bits`-bit groups: codes (tiles, in, 32 or 64) int8, scales (tiles, in / 32,
-    1 or 2, 64) int16 (fp16 bit patterns of d, then m)."""
+    1 or 2, 64) int16 (fp16 bit patterns of d, then m); numpy's, as the kernel takes them (a torch tensor's
+    `.numpy()` costs ~1 µs a call)."""
 
     bits: int
     out_features: int
-    codes: torch.Tensor
-    scales: torch.Tensor
+    codes: np.ndarray
+    scales: np.ndarray
 
     @property
     def nbytes(self) -> int:
@@ -56,19 +57,20 @@ def pack(w: torch.Tensor, bits: int) -> Grouped:
         codes = torch.round(w / d.float().clamp_min(1e-30)[..., None]).clamp_(-127, 127).to(torch.int8).flatten(2)
         scales = d[:, :, None]
     assert torch.isfinite(scales.float()).all(), "a weight group past float16's range"
-    return Grouped(bits, out, codes.transpose(1, 2).contiguous(), scales.view(torch.int16).permute(0, 3, 2, 1)
-                   .contiguous())
+    return Grouped(bits, out, codes.transpose(1, 2).contiguous().numpy(),
+                   scales.view(torch.int16).permute(0, 3, 2, 1).contiguous().numpy())
 
 
 def unpack(g: Grouped) -> torch.Tensor:
     """The float32 (out, in) matrix `g` stands for: the kernel's oracle."""
-    d = g.scales.view(torch.float16).float().permute(0, 3, 2, 1)  # (tiles, 64, 1 or 2, groups)
+    d = torch.from_numpy(g.scales).view(torch.float16).float().permute(0, 3, 2, 1)  # (tiles, 64, 1 or 2, groups)
+    codes = torch.from_numpy(g.codes)
     if g.bits == 4:
-        c = g.codes.view(torch.uint8) ^ 0x80
+        c = codes.view(torch.uint8) ^ 0x80
         q = torch.cat([c & 15, c >> 4], 2).transpose(1, 2).float()  # (tiles, 64, in)
         w = q.unflatten(2, (-1, GROUP)) * d[:, :, 0, :, None] + d[:, :, 1, :, None]
     else:
-        w = g.codes.transpose(1, 2).float().unflatten(2, (-1, GROUP)) * d[:, :, 0, :, None]
+        w = codes.transpose(1, 2).float().unflatten(2, (-1, GROUP)) * d[:, :, 0, :, None]
     return w.flatten(2).flatten(0, 1)[: g.out_features]
 
 
@@ -77,7 +79,7 @@ def linear(x: torch.Tensor, g: Grouped) -> torch.Tensor:
     x = x.contiguous()
     out = np.empty((x.shape[0], g.codes.shape[0] * TILE), dtype=np.float32)
     numba.set_num_threads(cpu_threads.cores())
-    (_matmul4 if g.bits == 4 else _matmul8)(x.numpy(), g.codes.numpy(), g.scales.numpy(), out)
+    (_matmul4 if g.bits == 4 else _matmul8)(x.numpy(), g.codes, g.scales, out)
     y = torch.from_numpy(out)
     return y if y.shape[1] == g.out_features else y[:, : g.out_features].contiguous()
 
@@ -104,19 +106,31 @@ def _sums(x, r, g):  # pragma: no cover — compiled
 
 
 @numba.njit(fastmath=True, inline="always")
+def _nibble(c, j):  # pragma: no cover — compiled
+    """Code byte j of c (read signed) → (its low nibble, its high nibble less 8), as float32."""
+    f = np.float32(c[j])
+    h = np.floor(f * np.float32(0.0625))
+    return f - np.float32(16) * h, h
+
+
+@numba.njit(fastmath=True, inline="always")
 def _nibbles1(x, r, c, g, acc):  # pragma: no cover — compiled
     """acc (8, 32) rows 0 and 4 ← one row's sums over group g of codes c (in, 32): low nibbles (outputs 0..31),
-    high (32..63, less 8: the byte was read signed)."""
+    high (32..63, less 8: the byte was read signed). Four inputs an update: each accumulator's load and store
+    serve four products (15–20% faster than one, scratch timing)."""
     acc[0] = 0
     acc[4] = 0
     lo, hi = acc[0], acc[4]
-    for k in range(g * GROUP, (g + 1) * GROUP):
-        xv = x[r, k]
+    for k in range(g * GROUP, (g + 1) * GROUP, 4):
+        x0, x1, x2, x3 = x[r, k], x[r, k + 1], x[r, k + 2], x[r, k + 3]
+        c0, c1, c2, c3 = c[k], c[k + 1], c[k + 2], c[k + 3]
         for j in range(32):
-            f = np.float32(c[k, j])
-            h = np.floor(f * np.float32(0.0625))
-            lo[j] += xv * (f - np.float32(16) * h)
-            hi[j] += xv * h
+            l0, h0 = _nibble(c0, j)
+            l1, h1 = _nibble(c1, j)
+            l2, h2 = _nibble(c2, j)
+            l3, h3 = _nibble(c3, j)
+            lo[j] += (x0 * l0 + x1 * l1) + (x2 * l2 + x3 * l3)
+            hi[j] += (x0 * h0 + x1 * h1) + (x2 * h2 + x3 * h3)
 
 
 @numba.njit(fastmath=True, inline="always")
@@ -127,9 +141,7 @@ def _nibbles4(x, r, c, g, acc):  # pragma: no cover — compiled
     for k in range(g * GROUP, (g + 1) * GROUP):
         x0, x1, x2, x3 = x[r, k], x[r + 1, k], x[r + 2, k], x[r + 3, k]
         for j in range(32):
-            f = np.float32(c[k, j])
-            h = np.floor(f * np.float32(0.0625))
-            lo = f - np.float32(16) * h
+            lo, h = _nibble(c[k], j)
             l0[j] += x0 * lo
             l1[j] += x1 * lo
             l2[j] += x2 * lo
@@ -184,10 +196,11 @@ def _matmul8(x, codes, scales, out):  # pragma: no cover — compiled
             _halves(scales[t, g, 0], bits, d)
             for r in range(n):
                 acc[:] = 0
-                for k in range(g * GROUP, (g + 1) * GROUP):
-                    xv = x[r, k]
+                for k in range(g * GROUP, (g + 1) * GROUP, 4):  # four inputs an update, as `_nibbles1`
+                    x0, x1, x2, x3 = x[r, k], x[r, k + 1], x[r, k + 2], x[r, k + 3]
                     for j in range(TILE):
-                        acc[j] += xv * np.float32(c[k, j])
+                        acc[j] += ((x0 * np.float32(c[k, j]) + x1 * np.float32(c[k + 1, j]))
+                                   + (x2 * np.float32(c[k + 2, j]) + x3 * np.float32(c[k + 3, j])))
                 for j in range(TILE):
                     res[r, j] += d[j] * acc[j]
         out[:, t * TILE : (t + 1) * TILE] = res
