@@ -200,11 +200,12 @@ def group_pack(w: torch.Tensor, bits: int):
     return cpu_groups.pack(w, bits)
 
 
-def group_linear(x: torch.Tensor, w) -> torch.Tensor:
-    """x (n, in) float32 → x · Wᵀ (n, out) for a `group_pack`ed W, weight-only: sums in float32."""
+def group_linear(x: torch.Tensor, w, norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """x (n, in) float32 → x · Wᵀ (n, out) for a `group_pack`ed W, weight-only: sums in float32; with `norm`
+    (in,), `rms_norm(x, norm, eps)` · Wᵀ."""
     from . import cpu_groups
 
-    return cpu_groups.linear(x, w)
+    return cpu_groups.linear(x, w, norm, eps)
 
 
 def widen(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
