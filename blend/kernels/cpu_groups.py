@@ -7,8 +7,9 @@ Two formats, GGUF's two the bundled SmolLM2 ships in, so its weights pack withou
 Outputs go in tiles of 64: a tile's codes for input k are contiguous (4 bits: byte j holds outputs j and
 j + 32, stored XOR 0x80 so it reads as a signed byte), so the loops run across outputs, 16 lanes at a time,
 and no dot product ends in a horizontal sum. Row by row: a row's product never depends on the other rows.
-One row, the model's blocks at 4 bits, out of cache, 2 cores of an AMD EPYC: 6.6 ms against fbgemm's int8
-8.8 (scratch timing); four rows 13.7 against 7.5, so batched decoding keeps `int8` (BENCHMARKS.md).
+One row through the model's blocks at 4 bits, out of cache, on 2 cores of an AMD EPYC: 6.6 ms against fbgemm's
+int8 8.8 (scratch timing). A step of 4 sequences is about even with int8's, and a step of 16 is 15% slower:
+fbgemm reuses each weight across the rows better. Batched decoding should keep `int8` (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -144,8 +145,9 @@ def _nibbles4(x, r, c, g, acc):  # pragma: no cover — compiled
     l0, l1, l2, l3, h0, h1, h2, h3 = acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7]
     for k in range(g * GROUP, (g + 1) * GROUP):
         x0, x1, x2, x3 = x[r, k], x[r + 1, k], x[r + 2, k], x[r + 3, k]
+        ck = c[k]
         for j in range(32):
-            lo, h = _nibble(c[k], j)
+            lo, h = _nibble(ck, j)
             l0[j] += x0 * lo
             l1[j] += x1 * lo
             l2[j] += x2 * lo
