@@ -81,7 +81,8 @@ def _path(device: torch.device, dtype: torch.dtype, kind: str) -> tuple[Callable
     if kind == "int8" and cpu32:  # its input pass makes the norm too
         return _int8_prepack, _int8_prepack, (_int8_linear, _int8_norm_linear, _int8_act_linear), 1
     if kind == "int4" and cpu32:
-        products = (_group_linear, _group_norm_linear, lambda gu, w: _group_linear(kernels.silu_mul(gu), w))
+        products = (_group_linear, lambda x, ln, eps, w, b=None: _group_linear(x, w, b, ln, eps),
+                    lambda gu, w: _group_linear(kernels.silu_mul(gu), w))
         return (lambda w: kernels.group_pack(w, 4)), (lambda w: kernels.group_pack(w, 8)), products, None
     if cpu32 and torch.backends.mkldnn.is_available():
         try:
@@ -116,14 +117,9 @@ def _fp16_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Ten
     return y if b is None else y + b
 
 
-def _group_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-    y = kernels.group_linear(x, w)
-    return y if b is None else y + b
-
-
-def _group_norm_linear(x: torch.Tensor, ln: torch.Tensor, eps: float, w, b: torch.Tensor | None = None):
-    if x.dim() != 2 or x.shape[0] > kernels.ROWS:  # the compiled norm's reach
-        return _group_linear(kernels.rms_norm(x, ln, eps), w, b)
+def _group_linear(x: torch.Tensor, w, b: torch.Tensor | None = None, ln: torch.Tensor | None = None,
+                  eps: float = 0.0) -> torch.Tensor:
+    """x (n, in) → W·x + b; with `ln`, W·rms_norm(x) + b, the norm in the product's own call."""
     y = kernels.group_linear(x, w, ln, eps)
     return y if b is None else y + b
 
