@@ -56,7 +56,11 @@ def forward_batch(runner: Runner, items: list[Rows], ws: Weights | None = None,
     deviations: list[dict] = [{} for _ in items]
     cu = list(accumulate((r.shape[0] for r in rows), initial=0))  # item i's rows are x[cu[i]:cu[i+1]]
     step = _compact_step(items, rows, cu, x.dtype, ws.on_numba)
-    for l in range(runner.num_layers):
+    fused = step is not None and ws.stack is not None
+    if fused:  # int4 weights over int8 caches: every block in one compiled call
+        x = kernels.step_layers(step, ws.stack, x, cos, sin, runner.num_heads, runner.scale, runner.eps)
+        kv_rows, out_rows = ([[r] * runner.num_layers for r in rows] for _ in "ko")
+    for l in range(0 if fused else runner.num_layers):
         q, k, v = runner._qkv(ws, l, x, cos, sin)  # (N, H, hd), (N, Hkv, hd) ×2
         if step is not None:  # int8 caches: every row's K/V written and its attention in one compiled call
             attn = kernels.step_attention(step, l, q, k, v, runner.scale)
@@ -145,6 +149,15 @@ def decode_batch(runner: Runner, caches: list[KVCache], tokens: list[int]) -> to
     through the runner's decode weights (`RAGCACHE_DECODE_WEIGHTS`)."""
     items = [Rows(c, torch.tensor([t]), torch.tensor([c.length])) for c, t in zip(caches, tokens)]
     return torch.stack([s.logits for s in forward_batch(runner, items, runner.decode_w)])
+
+
+def warm_decode(runner: Runner, dtype: torch.dtype) -> None:
+    """One decode step of a one-token cache kept at `dtype`, through the decode weights: what compiles on a
+    step's first use (int4's one-call step, ~6 s) compiles here, not in a request."""
+    pre = runner.prefill(torch.tensor([0]))
+    cache = KVCache(pre.k, pre.v, 1)
+    cache.reserve(2)
+    decode_batch(runner, [cache.compact(dtype)], [0])
 
 
 def fuse_batch(runner: Runner, requests: list[tuple]) -> list[FusedResult]:

@@ -53,6 +53,7 @@ class Weights:
     act_linear: ActLinear  # (gu (n, 2·in) gate then up, weight) → linear(silu(gate) · up, weight)
     bytes: int  # the matrices' bytes as this path stores them: what one product of each reads
     on_numba: bool = False  # its products run on numba's threads (int4), which the step's attention may then share
+    stack: object = None  # every block's matrices stacked for `kernels.step_layers` (int4, where they stack), else None
 
 
 def make_weights(state: dict[str, torch.Tensor], num_layers: int, kind: str = "model") -> Weights:
@@ -63,9 +64,10 @@ def make_weights(state: dict[str, torch.Tensor], num_layers: int, kind: str = "m
     prepare, prepare_head, products, itemsize = _path(w.device, w.dtype, kind)
     layers = [_layer(state, f"model.layers.{i}.", prepare) for i in range(num_layers)]
     head = prepare_head(w)
-    if itemsize is None:  # the prepared matrices know their bytes
+    if itemsize is None:  # int4: the prepared matrices know their bytes
         return Weights(layers, head, *products, head.nbytes + sum(m.nbytes for ly in layers
-                                                                  for m in (ly.wqkv, ly.wo, ly.wgu, ly.wd)), True)
+                                                                  for m in (ly.wqkv, ly.wo, ly.wgu, ly.wd)),
+                       True, _stack(layers))
     matrices = [n for n in state if n.startswith("model.layers.") and n.endswith("_proj.weight")]
     numel = w.numel() + sum(state[n].numel() for n in matrices)
     return Weights(layers, head, *products, numel * itemsize)
@@ -92,6 +94,17 @@ def _path(device: torch.device, dtype: torch.dtype, kind: str) -> tuple[Callable
             return _same, _same, _around(F.linear), dtype.itemsize
         return _onednn_prepack, _onednn_prepack, _around(_packed_linear), 4
     return _same, _same, _around(F.linear), dtype.itemsize
+
+
+def _stack(layers: list[Layer]):
+    """The blocks' int4 matrices stacked for `kernels.step_layers`, each layer's re-pointed at its views of the
+    stack (one copy in memory); None where they do not stack or a block norms its heads (qwen3)."""
+    if any(ly.q_norm is not None for ly in layers):
+        return None
+    stack = kernels.stack_layers([(ly.ln1, ly.wqkv, ly.bqkv, ly.wo, ly.ln2, ly.wgu, ly.wd) for ly in layers])
+    for l, ly in enumerate(layers if stack is not None else []):
+        ly.wqkv, ly.wo, ly.wgu, ly.wd = stack.matrices(l)
+    return stack
 
 
 def _same(w: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from blend.batch import warm_decode
+
 from .cache_admin import CacheAdmin
 from .config import Settings
 from .corpus.corpus import ChunkHit, Corpus
@@ -44,6 +46,7 @@ class RagCache(Parts):
     def warm(self, namespace: str | None = "default") -> None:
         """Load every part a request touches, so that request timings hold no one-time work."""
         _ = self.runner, self.prefix, self.stops, self.store, self.embedder, self.index
+        warm_decode(self.runner, self.kv_cache_dtype)
         if self.settings.retrieval != "dense":
             _ = self.lexical
         if namespace is not None:

@@ -208,6 +208,25 @@ def group_linear(x: torch.Tensor, w, norm: torch.Tensor | None = None, eps: floa
     return cpu_groups.linear(x, w, norm, eps)
 
 
+def stack_layers(layers: list[tuple]):
+    """layers[l] = (ln1, wqkv, bqkv or None, wo, ln2, wgu, wd), the matrices `group_pack`ed at 4 bits → the stack
+    `step_layers` runs them from (`Stack.matrices(l)`: layer l's as views of it), or None where they do not
+    stack (another bit width, shapes that differ)."""
+    from . import cpu_step
+
+    return cpu_step.stack_layers(layers)
+
+
+def step_layers(step, stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, scale: float,
+                eps: float) -> torch.Tensor:
+    """Every block of a `compact_step` in one compiled call, through a `stack_layers` stack: x (N, D) float32,
+    cos/sin (N, 1, hd) of the rows' positions → x after the last block (N, D); the rows' K/V written into their
+    caches on the way, as `step_attention` writes them."""
+    from . import cpu_step
+
+    return cpu_step.layers(step, stack, x, cos, sin, heads, scale, eps)
+
+
 def widen(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """Compact K or V (..., T, hd), bfloat16 or int8 with scale (..., T) → `dtype`."""
     return reference.widen(x, scale, dtype)
