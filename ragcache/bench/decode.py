@@ -6,6 +6,7 @@ where one differs, float32's logit margin (best − second best) at the first di
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -34,6 +35,7 @@ def run(settings, args) -> int:
     runner = Runner(model, "float16")  # runner.w: the model's float32 matrices; runner.decode_w: float16
     weights = {"float32": runner.w, "float16": runner.decode_w,
                **{kind: make_weights(model.state, runner.num_layers, kind) for kind in ("int8", "int4")}}
+    weights["int4 layer-by-layer"] = dataclasses.replace(weights["int4"], stack=None)  # the one-call step's A/B
     threads = torch.get_num_threads()
     with torch.inference_mode():
         prefix = compute_prefix(runner, as_ids(chat_frame(model.tokenizer, settings.system_prompt).head))
