@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,10 +204,11 @@ def _dequantize_gguf(gguf: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-        hf = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
-        )
+        with _gguf_read_once():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+            hf = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
+            )
         state = {k: v.contiguous() for k, v in hf.state_dict().items()}
         if hf.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -223,6 +225,21 @@ def _dequantize_gguf(gguf: Path, target: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def _gguf_read_once():
+    """transformers parses the GGUF three times (tokenizer, config, weights; ~4.4 s each here, its 49K-token
+    vocabulary read a field at a time) and builds gguf's tensor-name map again for each of ~400 tensors (~5.7
+    s): half of a ~30 s conversion. Within this block each is made once (both are read-only)."""
+    import gguf
+
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map  # transformers imports both from gguf at each call
+    gguf.GGUFReader, gguf.get_tensor_name_map = (functools.lru_cache(f) for f in saved)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved
 
 
 def _weights_digest(state: dict[str, torch.Tensor]) -> str:

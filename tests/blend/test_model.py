@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from blend.model import Model, ModelError, load_model
+from blend.model import Model, ModelError, _gguf_read_once, load_model
 from tests.conftest import tiny_hf_model
 
 
@@ -17,6 +17,29 @@ def test_default_model_is_dequantized_once_and_reloads(smollm, settings):
     again = load_model(None, settings.home, device="cpu", dtype="float32")
     assert again.fingerprint == smollm.fingerprint
     assert smollm.tokenizer.decode(smollm.tokenizer("Paris is nice")["input_ids"]) == "Paris is nice"
+
+
+def test_a_conversion_reads_the_gguf_once_and_leaves_gguf_as_it_was(tmp_path):
+    """transformers reads the file for the tokenizer, the config and the weights: one parse serves the three."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        step()
+    writer.close()
+    before = gguf.GGUFReader, gguf.get_tensor_name_map
+    with pytest.raises(KeyError):
+        with _gguf_read_once():
+            first = gguf.GGUFReader(str(path))
+            assert gguf.GGUFReader(str(path)) is first and first.fields["general.architecture"]
+            assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+            raise KeyError("a conversion that fails")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == before
+    assert gguf.GGUFReader(str(path)) is not gguf.GGUFReader(str(path))
 
 
 def test_fingerprint_changes_with_weights_and_dtype(smollm):
