@@ -59,7 +59,8 @@ def forward_batch(runner: Runner, items: list[Rows], ws: Weights | None = None,
     fused = step is not None and ws.stack is not None
     if fused:  # int4 weights over int8 caches: every block in one compiled call
         x = kernels.step_layers(step, ws.stack, x, cos, sin, runner.num_heads, runner.scale, runner.eps)
-        kv_rows, out_rows = ([[r] * runner.num_layers for r in rows] for _ in "ko")
+        kv_rows = [[r] * runner.num_layers for r in rows]  # every layer wrote and kept every row
+        out_rows = [list(k) for k in kv_rows]
     for l in range(0 if fused else runner.num_layers):
         q, k, v = runner._qkv(ws, l, x, cos, sin)  # (N, H, hd), (N, Hkv, hd) ×2
         if step is not None:  # int8 caches: every row's K/V written and its attention in one compiled call
