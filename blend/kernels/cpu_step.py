@@ -65,8 +65,7 @@ def layers(st: Step, stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin: torc
     c, s = stack.codes, stack.scales
     return torch.from_numpy(_layers(
         x.contiguous().numpy(), cos.contiguous().numpy(), sin.contiguous().numpy(), stack.ln1, stack.ln2,
-        stack.bias, c[0], s[0], c[1], s[1], c[2], s[2], c[3], s[3], np.array(stack.out_features, dtype=np.int64),
-        st.seq, st.pos, st.addresses, st.capacity, st.hkv, heads, scale, eps, st.block))
+        stack.bias, c[0], s[0], c[1], s[1], c[2], s[2], c[3], s[3], stack.out_features[2] // 2, st.seq, st.pos, st.addresses, st.capacity, st.hkv, heads, scale, eps, st.block))
 
 
 @numba.njit(fastmath={"nnan", "ninf", "nsz", "contract", "afn"})
@@ -98,9 +97,9 @@ def _product(x, codes, scales):  # pragma: no cover — compiled
 
 
 @numba.njit
-def _layers(x, cos, sin, ln1, ln2, bias, qc, qs, oc, os, gc, gs, dc, ds, out, seq, pos, addresses, capacity, hkv,
+def _layers(x, cos, sin, ln1, ln2, bias, qc, qs, oc, os, gc, gs, dc, ds, inter, seq, pos, addresses, capacity, hkv,
             heads, scale, eps, block):  # pragma: no cover — compiled
-    """`layers`' loop: x (N, D) f32 through every block → (N, D); out = the four matrices' out-features."""
+    """`layers`' loop: x (N, D) f32 through every block → (N, D); inter: the MLP's width (gate-up's half)."""
     n, dim = x.shape
     hd = cos.shape[2]
     for l in range(ln1.shape[0]):
@@ -114,5 +113,5 @@ def _layers(x, cos, sin, ln1, ln2, bias, qc, qs, oc, os, gc, gs, dc, ds, out, se
         attend(q, seq, pos, addresses[l], capacity, hkv, scale, attn, block)
         x = x + _product(attn.reshape(n, heads * hd), oc[l], os[l])[:, :dim]
         gu = _product(norm_rows(x, ln2[l], eps), gc[l], gs[l])
-        x = x + _product(_silu_mul(gu, out[2] // 2), dc[l], ds[l])[:, :dim]
+        x = x + _product(_silu_mul(gu, inter), dc[l], ds[l])[:, :dim]
     return x
