@@ -24,9 +24,11 @@ CHOICES = {
     "write_policy": ("write-through", "write-back"),
     "admission": ("all", "second-use"),
 }
-# the blob codecs (store/codecs.py): raw, compact (calibrated), compact-kXvY (+Ln: one more bit in layer n,
-# +gG: K in clipped blocks of G tokens, +r: V rotated)
-KV_CODEC = re.compile(r"raw|compact|compact-k([234])v([234])((?:\+L\d+)*)(?:\+g([1-9]\d*))?(\+r)?")
+# the blob codecs (store/codecs.py): raw, compact (calibrated), compact-kXvY (+kA:B / -vA:B: one bit more for K /
+# one less for V in layers A..B-1, +Ln: one more bit than X, Y in layer n, +gG: K in clipped blocks of G tokens,
+# +r: V rotated)
+KV_CODEC = re.compile(r"raw|compact|compact-k([234])v([234])((?:[+-][kv]\d+:\d+)*)((?:\+L\d+)*)(?:\+g([1-9]\d*))?"
+                      r"(\+r)?")
 DEFAULT_SYSTEM_PROMPT = (
     "You will be asked a question after reading several passages. "
     "Answer it directly from the passages, in a few words. Do not repeat the question."
@@ -132,7 +134,8 @@ class Settings(BaseSettings):
     @classmethod
     def _codec(cls, v: str) -> str:
         if not KV_CODEC.fullmatch(v):
-            raise ValueError("must be raw, compact or compact-kXvY[+Ln][+gG][+r] (X, Y in 2..4, e.g. compact-k3v3+g64+r)")
+            raise ValueError("must be raw, compact or compact-kXvY[±kA:B][±vA:B][+Ln][+gG][+r] (X, Y in 2..4, e.g. "
+                             "compact-k3v3+k16:30+L1+g96)")
         return v
 
     @property

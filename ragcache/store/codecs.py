@@ -2,9 +2,10 @@
 
     raw            today's blobs, in RAGCACHE_KV_DTYPE (lossless at float32)
     compact        this model's calibrated bit widths (`ragcache calibrate-codec`), else DEFAULT
-    compact-kXvY   X bits for K and Y for V in every layer (2..4), e.g. compact-k3v3; `+L0` one more bit
-                   in layer 0 (compact-k3v3+L0); `+g64` K in clipped blocks of 64 tokens, `+r` V rotated
-                   (compact.py), e.g. compact-k3v3+g64+r
+    compact-kXvY   X bits for K and Y for V in every layer (2..4), e.g. compact-k3v3; `+k16:30` one more bit
+                   for K in layers 16..29, `-v0:8` one less for V in layers 0..7 (ranges clamp like slices);
+                   `+L0` layer 0 at X+1, Y+1 (compact-k3v3+L0); `+g64` K in clipped blocks of 64 tokens, `+r` V
+                   rotated (compact.py), e.g. compact-k3v3+k16:30+L1+g64+r
 
 Decoding never needs the name: a compact blob carries its frames' scales and the encoder's widths.
 The calibration of a model is a small JSON file in RAGCACHE_HOME/codec/, written once on dev data.
@@ -44,10 +45,13 @@ def spec_for(name: str, num_layers: int, home: Path, fingerprint: str) -> Spec |
         return spec_for(DEFAULT, num_layers, home, fingerprint)
     m = KV_CODEC.fullmatch(name)
     if m is None or m.group(1) is None:
-        raise ValueError(f"unknown KV codec {name!r}: raw, compact or compact-kXvY[+Ln][+gG][+r] (X, Y in 2..4)")
-    boost = tuple(int(x) for x in re.findall(r"\+L(\d+)", m.group(3)))
-    return Spec.uniform(name, num_layers, int(m.group(1)), int(m.group(2)), boost, int(m.group(4) or 0),
-                        m.group(5) is not None)
+        raise ValueError(f"unknown KV codec {name!r}: raw, compact or compact-kXvY[±kA:B][±vA:B][+Ln][+gG][+r] "
+                         "(X, Y in 2..4)")
+    shifts = tuple((t, 1 if sign == "+" else -1, int(a), int(b))
+                   for sign, t, a, b in re.findall(r"([+-])([kv])(\d+):(\d+)", m.group(3)))
+    boost = tuple(int(x) for x in re.findall(r"\+L(\d+)", m.group(4)))
+    return Spec.uniform(name, num_layers, int(m.group(1)), int(m.group(2)), boost, int(m.group(5) or 0),
+                        m.group(6) is not None, shifts)
 
 
 def save_calibration(home: Path, fingerprint: str, spec: Spec, report: dict) -> Path:

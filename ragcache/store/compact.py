@@ -60,11 +60,19 @@ class Spec:
 
     @classmethod
     def uniform(cls, name: str, layers: int, k_bits: int, v_bits: int, boost: tuple[int, ...] = (),
-                k_group: int = 0, v_rotate: bool = False) -> "Spec":
-        """The same widths everywhere, one more bit (at most 4) in the `boost` layers."""
-        k = tuple(min(4, k_bits + (l in boost)) for l in range(layers))
-        v = tuple(min(4, v_bits + (l in boost)) for l in range(layers))
-        return cls(name, k, v, k_group, v_rotate)
+                k_group: int = 0, v_rotate: bool = False, shifts: tuple[tuple[str, int, int, int], ...] = ()
+                ) -> "Spec":
+        """k_bits, v_bits in every layer; each shift (tensor "k" or "v", +1 or -1, layers a..b-1, clamped like a
+        slice) moves that tensor's width by one in its layers (within 2..4); a `boost` layer has one more bit
+        than k_bits, v_bits for both (at most 4), whatever the shifts."""
+        width = {"k": [k_bits] * layers, "v": [v_bits] * layers}
+        for tensor, delta, a, b in shifts:
+            for l in range(layers)[a:b]:
+                width[tensor][l] = min(4, max(2, width[tensor][l] + delta))
+        for l in boost:
+            if 0 <= l < layers:
+                width["k"][l], width["v"][l] = min(4, k_bits + 1), min(4, v_bits + 1)
+        return cls(name, tuple(width["k"]), tuple(width["v"]), k_group, v_rotate)
 
     def mean_bits(self) -> float:
         return (sum(self.k_bits) + sum(self.v_bits)) / (2 * len(self.k_bits))

@@ -163,3 +163,19 @@ def test_a_damaged_calibration_file_falls_back_to_the_default_widths(tmp_path):
     for damage in (b"\xff\xfe{garbage", b'{"k_bits": 3}', b"[]"):
         path.write_bytes(damage)
         assert spec_for("compact", 4, tmp_path, "fp") == default  # it used to raise at every store write
+
+
+def test_a_codec_name_moves_k_and_v_bits_by_layer_range_and_a_boost_wins():
+    from pydantic import ValidationError
+
+    from ragcache.config import Settings
+
+    spec = spec_for("compact-k3v3+k4:8-v0:4+L1+g96", 8, None, "fp")
+    assert spec.k_bits == (3, 4, 3, 3, 4, 4, 4, 4) and spec.v_bits == (2, 4, 2, 2, 3, 3, 3, 3) and spec.k_group == 96
+    assert spec_for("compact-k4v2+k0:99-v0:2", 3, None, "fp").k_bits == (4, 4, 4)  # clamped to 2..4 and to the layers
+    assert spec_for("compact-k4v2+k0:99-v0:2", 3, None, "fp").v_bits == (2, 2, 2)
+    assert spec_for("compact-k3v3", 4, None, "fp") == Spec.uniform("compact-k3v3", 4, 3, 3)  # no shift: as before
+    Settings(kv_codec="compact-k3v3+k16:30-v0:16+L1+g96")
+    for bad in ("compact-k3v3+k16", "compact-k3v3+x0:4", "compact-k3v3+L1+k0:4"):
+        with pytest.raises(ValidationError, match="compact-kXvY"):
+            Settings(kv_codec=bad)
