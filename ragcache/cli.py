@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from . import commands
-from .config import CHOICES, EVAL_MODES, MODES
+from .config import CHOICES, EVAL_MODES, KV_CODEC, KV_CODEC_FORM, MODES
 from .errors import UserError
 
 
@@ -42,6 +42,16 @@ def _parts(text: str) -> list[str]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown part(s) {', '.join(sorted(unknown))}: use {', '.join(STORE_PARTS)}")
     return parts
+
+
+def _codecs(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    bad = [x for x in names if not KV_CODEC.fullmatch(x)]
+    if "raw" in names or len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError("name each codec once; raw is always measured beside them")
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown codec(s) {', '.join(bad)}: each {KV_CODEC_FORM}")
+    return names
 
 
 def _add_eval_flags(p: argparse.ArgumentParser) -> None:
@@ -125,8 +135,8 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
                    "greedy answer length")
     b.add_argument("--parts", type=_parts, default=list(STORE_PARTS),
                    help=f"store: which parts, comma-separated ({','.join(STORE_PARTS)})")
-    b.add_argument("--codecs", type=lambda t: t.split(","), default=["compact"],
-                   help="store: compact codecs to measure beside raw (compact, compact-kXvY[+Ln][+gG][+r])")
+    b.add_argument("--codecs", type=_codecs, default=["compact"],
+                   help=f"store: compact codecs to measure beside raw, comma-separated (each {KV_CODEC_FORM})")
     b.add_argument("--limit", type=_positive, default=20, help="store: dev questions in the fidelity part; decode: "
                    "dev questions whose greedy answers compare")
     b.add_argument("--trace", type=_floats, default=[0.8, 1.0, 1.2], help="store: Zipf exponents of the traces")

@@ -29,6 +29,8 @@ CHOICES = {
 # +r: V rotated)
 KV_CODEC = re.compile(r"raw|compact|compact-k([234])v([234])((?:[+-][kv]\d+:\d+)*)((?:\+L\d+)*)(?:\+g([1-9]\d*))?"
                       r"(\+r)?")
+KV_CODEC_FORM = ("raw, compact or compact-kXvY[±kA:B][±vA:B][+Ln][+gG][+r] (X, Y in 2..4, e.g. "
+                 "compact-k3v3+k16:30+L1+g96)")
 DEFAULT_SYSTEM_PROMPT = (
     "You will be asked a question after reading several passages. "
     "Answer it directly from the passages, in a few words. Do not repeat the question."
@@ -134,8 +136,7 @@ class Settings(BaseSettings):
     @classmethod
     def _codec(cls, v: str) -> str:
         if not KV_CODEC.fullmatch(v):
-            raise ValueError("must be raw, compact or compact-kXvY[±kA:B][±vA:B][+Ln][+gG][+r] (X, Y in 2..4, e.g. "
-                             "compact-k3v3+k16:30+L1+g96)")
+            raise ValueError(f"must be {KV_CODEC_FORM}")
         return v
 
     @property

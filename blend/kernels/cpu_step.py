@@ -65,7 +65,8 @@ def layers(st: Step, stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin: torc
     c, s = stack.codes, stack.scales
     return torch.from_numpy(_layers(
         x.contiguous().numpy(), cos.contiguous().numpy(), sin.contiguous().numpy(), stack.ln1, stack.ln2,
-        stack.bias, c[0], s[0], c[1], s[1], c[2], s[2], c[3], s[3], stack.out_features[2] // 2, st.seq, st.pos, st.addresses, st.capacity, st.hkv, heads, scale, eps, st.block))
+        stack.bias, c[0], s[0], c[1], s[1], c[2], s[2], c[3], s[3], stack.out_features[2] // 2,
+        st.seq, st.pos, st.addresses, st.capacity, st.hkv, heads, scale, eps, st.block))
 
 
 @numba.njit(fastmath={"nnan", "ninf", "nsz", "contract", "afn"})

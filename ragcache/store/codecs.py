@@ -17,7 +17,7 @@ import logging
 import re
 from pathlib import Path
 
-from ..config import KV_CODEC
+from ..config import KV_CODEC, KV_CODEC_FORM
 from .compact import Spec
 
 DEFAULT = "compact-k3v3+L1+g96"  # `compact` for a model never calibrated: 3.16 bits; layer 1, CacheBlend's check
@@ -45,8 +45,7 @@ def spec_for(name: str, num_layers: int, home: Path, fingerprint: str) -> Spec |
         return spec_for(DEFAULT, num_layers, home, fingerprint)
     m = KV_CODEC.fullmatch(name)
     if m is None or m.group(1) is None:
-        raise ValueError(f"unknown KV codec {name!r}: raw, compact or compact-kXvY[±kA:B][±vA:B][+Ln][+gG][+r] "
-                         "(X, Y in 2..4)")
+        raise ValueError(f"unknown KV codec {name!r}: {KV_CODEC_FORM}")
     shifts = tuple((t, 1 if sign == "+" else -1, int(a), int(b))
                    for sign, t, a, b in re.findall(r"([+-])([kv])(\d+):(\d+)", m.group(3)))
     boost = tuple(int(x) for x in re.findall(r"\+L(\d+)", m.group(4)))

@@ -43,6 +43,12 @@ def test_eval_knob_out_of_range_is_named():
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_bad_bench_codec_is_named_before_any_work():
+    for value, words in [("compact-k9", "unknown codec(s) compact-k9"), ("compact,raw", "raw is always measured")]:
+        r = _run("bench", "store", "--parts", "codecs", "--codecs", value)
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
+
+
 def _bad_files(tmp: Path) -> dict[str, Path]:
     (tmp / "latin1.jsonl").write_bytes(b'{"id": 1, "text": "caf\xe9"}\n')
     (tmp / "empty.json").write_text("[]")
