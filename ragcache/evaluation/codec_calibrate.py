@@ -53,10 +53,10 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: int, base: 
                     max_bits: float, progress=print) -> tuple[Spec, dict]:
     runner = service.runner
     layers = runner.num_layers
-    form = spec_for(DEFAULT, layers, service.settings.home, "")  # K's blocks and V's rotation: the default's
-    base_spec = Spec.uniform("compact", layers, *base, k_group=form.k_group, v_rotate=form.v_rotate)
-    boosted = Spec.uniform("compact", layers, min(4, base[0] + 1), min(4, base[1] + 1), k_group=form.k_group,
-                           v_rotate=form.v_rotate)
+    default = spec_for(DEFAULT, layers, service.settings.home, "")  # K's blocks, V's rotation, scales: the default's
+    form = dict(k_group=default.k_group, v_rotate=default.v_rotate, byte_scales=default.byte_scales)
+    base_spec = Spec.uniform("compact", layers, *base, **form)
+    boosted = Spec.uniform("compact", layers, min(4, base[0] + 1), min(4, base[1] + 1), **form)
     cfg = EvalConfig(dataset, top_k=top_k, max_new_tokens=16)
     rise, elements = torch.zeros(layers), 0
     layer_bytes = {w: torch.zeros(layers) for w in ("base", "boosted")}
@@ -91,7 +91,7 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: int, base: 
     for l in order:
         if bits({*chosen, l}) <= max_bits:
             chosen.append(l)
-    spec = Spec.uniform("compact", layers, *base, boost=tuple(chosen), k_group=form.k_group, v_rotate=form.v_rotate)
+    spec = Spec.uniform("compact", layers, *base, boost=tuple(chosen), **form)
     report = {"base": list(base), "boosted_layers": sorted(chosen), "bits_per_element": bits(set(chosen)),
               "kl_rise_per_layer": [round(float(x), 6) for x in rise], "questions": [first, first + len(items)],
               "dataset": str(dataset), "top_k": top_k}

@@ -5,7 +5,7 @@
     compact-kXvY   X bits for K and Y for V in every layer (2..4), e.g. compact-k3v3; `+k16:30` one more bit
                    for K in layers 16..29, `-v0:8` one less for V in layers 0..7 (ranges clamp like slices);
                    `+L0` layer 0 at X+1, Y+1 (compact-k3v3+L0); `+g64` K in clipped blocks of 64 tokens, `+r` V
-                   rotated (compact.py), e.g. compact-k3v3+k16:30+L1+g64+r
+                   rotated (compact.py), `+b` every scale in a byte (scales.py), e.g. compact-k3v3+k16:30+L1+g64+r+b
 
 Decoding never needs the name: a compact blob carries its frames' scales and the encoder's widths.
 The calibration of a model is a small JSON file in RAGCACHE_HOME/codec/, written once on dev data.
@@ -39,7 +39,8 @@ def spec_for(name: str, num_layers: int, home: Path, fingerprint: str) -> Spec |
             try:
                 cal = json.loads(path.read_bytes())
                 return Spec("compact", tuple(map(int, cal["k_bits"])), tuple(map(int, cal["v_bits"])),
-                            int(cal.get("k_group", 0)), bool(cal.get("v_rotate", False)))  # older files: neither
+                            int(cal.get("k_group", 0)), bool(cal.get("v_rotate", False)),
+                            bool(cal.get("byte_scales", False)))  # older files: none of the three
             except (ValueError, KeyError, TypeError):  # a damaged file must not fail every store write
                 log.warning("%s is damaged: %s is written until `ragcache calibrate-codec` rewrites it", path, DEFAULT)
         return spec_for(DEFAULT, num_layers, home, fingerprint)
@@ -50,7 +51,7 @@ def spec_for(name: str, num_layers: int, home: Path, fingerprint: str) -> Spec |
                    for sign, t, a, b in re.findall(r"([+-])([kv])(\d+):(\d+)", m.group(3)))
     boost = tuple(int(x) for x in re.findall(r"\+L(\d+)", m.group(4)))
     return Spec.uniform(name, num_layers, int(m.group(1)), int(m.group(2)), boost, int(m.group(5) or 0),
-                        m.group(6) is not None, shifts)
+                        m.group(6) is not None, shifts, m.group(7) is not None)
 
 
 def save_calibration(home: Path, fingerprint: str, spec: Spec, report: dict) -> Path:
@@ -58,6 +59,6 @@ def save_calibration(home: Path, fingerprint: str, spec: Spec, report: dict) -> 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"k_bits": list(spec.k_bits), "v_bits": list(spec.v_bits), "k_group": spec.k_group,
-                               "v_rotate": spec.v_rotate, **report}, indent=1))
+                               "v_rotate": spec.v_rotate, "byte_scales": spec.byte_scales, **report}, indent=1))
     tmp.replace(path)
     return path

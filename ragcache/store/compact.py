@@ -13,17 +13,21 @@ A spec with `k_group` G > 0 (names with +gG) quantizes K per block of G tokens (
 range clipped where that lowers the block's squared error: a chunk-wide channel range is set by a few
 outlier tokens, and K's error is what moves the model's output (measured: BENCHMARKS.md). `v_rotate`
 (+r) quantizes V after a Hadamard rotation of its channels (orthonormal, its own inverse), which spreads
-an outlier channel over all of them; the decoder rotates back. Plain kXvY specs write the first format:
-K over the whole chunk, plain min–max.
+an outlier channel over all of them; the decoder rotates back. `byte_scales` (+b) writes each group's lo
+and step in a byte each instead of two float16s (scales.py: half the scales' bits). Plain kXvY specs write
+the first format: K over the whole chunk, plain min–max.
 
-A frame is [u32 payload length | kind << 28][u32 G: kind 1 only][lo, step as float16][zstd payload]; kind
-0 the first format, 1 K in blocks of G tokens, 2 V rotated. It decodes alone, so a layer can be used
-before the next one has arrived; frames of every kind decode, so old blobs stay readable.
+A frame is [u32 payload length | kind << 28][u32 G: K_BLOCKS only][scales][zstd payload]; its kind's bits
+say K in blocks of G tokens (K_BLOCKS), V rotated (V_ROTATED), and the scales: float16 lo then step a
+group, or with BYTES a float32 base, a K frame's channel centers (int8) and then e (uint8) and m (int8)
+a group; kind 0 is the first format. A frame decodes alone, so a layer can be used before the next one
+has arrived; frames of every kind decode, so old blobs stay readable.
 
 Error bound (per element, before float16 rounding of the scales): |x − x̂| ≤ step / 2, where
 step = (max − min) / (2^bits − 1) of its group; with clipping (+g), an element outside the group's clipped
 range [lo, lo + step·(2^bits − 1)] is off by its distance to it plus step / 2 (the range is never shrunk
-below half: CLIP); with +r the bound holds for the rotated V, and so for its L2 norm per token.
+below half: CLIP); with +r the bound holds for the rotated V, and so for its L2 norm per token; with +b the
+step is the group's rounded up to the frame's grid (≤ 2.2% over it, or the grid's first step).
 """
 from __future__ import annotations
 
@@ -34,23 +38,26 @@ import numpy as np
 import torch
 import zstandard
 
+from . import scales
+
 LEVEL = 3  # zstd: decoding speed does not depend on it; higher levels find nothing more in nibbles
 _U32 = struct.Struct("<I")
 _KIND = 28  # a frame's kind sits above its payload length (< 256 MiB)
-LEGACY, K_BLOCKS, V_ROTATED = 0, 1, 2
+LEGACY, K_BLOCKS, V_ROTATED, BYTES = 0, 1, 2, 4  # bits of a frame's kind
 CLIP = torch.linspace(1.0, 0.5, 11)  # fractions of a group's range tried around its middle (encode only)
 
 
 @dataclass(frozen=True)
 class Spec:
-    """Bits per layer for K and V (2..4), K's token block (0: the whole chunk, unclipped), V's rotation;
-    `name` is what the blob records."""
+    """Bits per layer for K and V (2..4), K's token block (0: the whole chunk, unclipped), V's rotation,
+    scales at a byte each (scales.py); `name` is what the blob records."""
 
     name: str
     k_bits: tuple[int, ...]
     v_bits: tuple[int, ...]
     k_group: int = 0
     v_rotate: bool = False
+    byte_scales: bool = False
 
     def __post_init__(self):
         if len(self.k_bits) != len(self.v_bits) or not all(2 <= b <= 4 for b in (*self.k_bits, *self.v_bits)):
@@ -60,8 +67,8 @@ class Spec:
 
     @classmethod
     def uniform(cls, name: str, layers: int, k_bits: int, v_bits: int, boost: tuple[int, ...] = (),
-                k_group: int = 0, v_rotate: bool = False, shifts: tuple[tuple[str, int, int, int], ...] = ()
-                ) -> "Spec":
+                k_group: int = 0, v_rotate: bool = False, shifts: tuple[tuple[str, int, int, int], ...] = (),
+                byte_scales: bool = False) -> "Spec":
         """k_bits, v_bits in every layer; each shift (tensor "k" or "v", +1 or -1, layers a..b-1, clamped like a
         slice) moves that tensor's width by one in its layers (within 2..4); a `boost` layer has one more bit
         than k_bits, v_bits for both (at most 4), whatever the shifts."""
@@ -72,7 +79,7 @@ class Spec:
         for l in boost:
             if 0 <= l < layers:
                 width["k"][l], width["v"][l] = min(4, k_bits + 1), min(4, v_bits + 1)
-        return cls(name, tuple(width["k"]), tuple(width["v"]), k_group, v_rotate)
+        return cls(name, tuple(width["k"]), tuple(width["v"]), k_group, v_rotate, byte_scales)
 
     def mean_bits(self) -> float:
         return (sum(self.k_bits) + sum(self.v_bits)) / (2 * len(self.k_bits))
@@ -88,54 +95,87 @@ def hadamard(hd: int) -> torch.Tensor:
     return h / hd**0.5
 
 
-def _quantize(x: torch.Tensor, bits: int, dim: int, clip: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x (H, n, hd) float, groups along `dim` → symbols (H, n, hd) uint8, lo and step float16 (the group
-    shape, `dim` of size 1). With `clip`, each group's range is the CLIP fraction of it with the least squared
-    error. The symbols are computed from the float16-rounded lo and step: what the decoder will use."""
+def _quantize(x: torch.Tensor, bits: int, dim: int, clip: bool, steps: np.ndarray | None = None,
+              c: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]] | None:
+    """x (H, n, hd) float, groups along `dim` → symbols (H, n, hd) uint8 and the scales: lo and step float16
+    (the group shape, `dim` of size 1), or with a byte grid `steps` (scales.py; c: K's centers) codes e uint8
+    and m int8 — None where an m does not fit a byte. With `clip`, each group's range is the CLIP fraction of
+    it with the least squared error. The symbols are computed from the scales the decoder will use."""
     x = x.float()
     lo0, hi0 = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
     top = (1 << bits) - 1
-    best = None
-    for frac in CLIP if clip else CLIP[:1]:
-        half = (hi0 - lo0) * (frac / 2)
-        lo = ((lo0 + hi0) / 2 - half).half()
-        step = (2 * half / top).half()
-        step = torch.where(step > 0, step, torch.ones_like(step))
-        q = ((x - lo.float()) / step.float()).round_().clamp_(0, top)
-        err = (q * step.float() + lo.float() - x).square_().sum(dim, keepdim=True)
-        if best is None:
-            best = [q, lo, step, err]
-            continue
-        better = err < best[3]
-        best = [torch.where(better, q, best[0]), torch.where(better, lo, best[1]),
-                torch.where(better, step, best[2]), torch.minimum(err, best[3])]
-    q, lo, step, _ = best
-    return q.to(torch.uint8).numpy(), lo.numpy(), step.numpy()
+    half = (hi0 - lo0) * (CLIP if clip else CLIP[:1]).view(-1, 1, 1, 1) / 2
+    lo, hi = (lo0 + hi0) / 2 - half, (lo0 + hi0) / 2 + half  # (C, *group): the ranges tried
+    if steps is None:
+        lo, step = lo.half(), ((hi - lo) / top).half()
+        lo, step = _best(x, dim, top, lo, torch.where(step > 0, step, torch.ones_like(step)), [lo, step])
+        return _symbols(x, lo, step, top), [lo.numpy(), step.numpy()]
+    # the range first (clipped: the best at exact scales), then its place on the grid
+    lo, hi = _best(x, dim, top, lo, (hi - lo) / top, [lo, hi]) if clip else (lo[0], hi[0])
+    e, m, fits = scales.place(lo[None], hi[None], top, steps, c)  # (P, *group): the places tried
+    e, m, fits = _best(x, dim, top, *(torch.from_numpy(a) for a in scales.values(steps, e.numpy(), m.numpy(), c)),
+                       [e, m, fits])
+    if not fits.all():
+        return None
+    return _symbols(x, *(torch.from_numpy(a) for a in scales.values(steps, e.numpy(), m.numpy(), c)), top), \
+        [e.numpy(), m.numpy()]
 
 
-def _frame(kind: int, q: np.ndarray, scales: list[np.ndarray], cctx: zstandard.ZstdCompressor, group: int = 0) -> bytes:
+def _best(x: torch.Tensor, dim: int, top: int, lo: torch.Tensor, step: torch.Tensor, codes: list[torch.Tensor]
+          ) -> list[torch.Tensor]:
+    """Candidates lo, step (C, *group) for x (H, n, hd) → of `codes` (C, *group) each, the candidate with the
+    least squared error per group (the first of equals), (*group) each."""
+    lo, step = lo.float(), step.float()
+    q = ((x - lo) / step).round_().clamp_(0, top)  # (C, H, n, hd)
+    best = (q.mul_(step).add_(lo).sub_(x)).square_().sum(dim + 1, keepdim=True).argmin(0, keepdim=True)
+    return [t.gather(0, best).squeeze(0) for t in codes]
+
+
+def _symbols(x: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, top: int) -> np.ndarray:
+    return ((x - lo.float()) / step.float()).round_().clamp_(0, top).to(torch.uint8).numpy()
+
+
+def _frame(kind: int, q: np.ndarray, parts: list[np.ndarray], cctx: zstandard.ZstdCompressor, group: int = 0) -> bytes:
     half = q.shape[-1] // 2
     packed = q[..., :half] | (q[..., half:] << 4)  # (H, n, hd/2): one byte, two symbols
     payload = cctx.compress(np.ascontiguousarray(packed).tobytes())
-    head = _U32.pack(len(payload) | kind << _KIND) + (_U32.pack(group) if kind == K_BLOCKS else b"")
-    return b"".join([head, *(np.ascontiguousarray(s).tobytes() for s in scales), payload])
+    head = _U32.pack(len(payload) | kind << _KIND) + (_U32.pack(group) if kind & K_BLOCKS else b"")
+    return b"".join([head, *(np.ascontiguousarray(p).tobytes() for p in parts), payload])
 
 
-def _k_frame(k: torch.Tensor, bits: int, group: int, cctx) -> bytes:
+def _joined(parts: list[tuple[np.ndarray, list[np.ndarray]]]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """K blocks' symbols and scales, each concatenated along tokens (scales: (H, blocks, hd))."""
+    return (np.concatenate([p[0] for p in parts], axis=1),
+            [np.concatenate([p[1][i] for p in parts], axis=1) for i in range(len(parts[0][1]))])
+
+
+def _k_frame(k: torch.Tensor, bits: int, group: int, byte_scales: bool, cctx) -> bytes:
     """k (H, n, hd) pre-RoPE → a frame: per (head, channel) over the chunk, or over blocks of `group` tokens."""
-    if not group:
-        q, lo, step = _quantize(k, bits, 1, clip=False)
-        return _frame(LEGACY, q, [lo, step], cctx)
-    parts = [_quantize(k[:, s : s + group], bits, 1, clip=True) for s in range(0, k.shape[1], group)]
-    q = np.concatenate([p[0] for p in parts], axis=1)
-    lo, step = (np.concatenate([p[i] for p in parts], axis=1) for i in (1, 2))  # (H, blocks, hd) each
-    return _frame(K_BLOCKS, q, [lo, step], cctx, group)
+    k = k.float()
+    blocks = [k[:, s : s + group] for s in range(0, k.shape[1], group)] if group else [k]
+    kind = K_BLOCKS if group else LEGACY
+    if byte_scales:
+        base = scales.base_for(max(float((b.amax(1) - b.amin(1)).max()) for b in blocks) / ((1 << bits) - 1))
+        steps = scales.grid(base)
+        c = scales.centers(k.amin(1, keepdim=True), k.amax(1, keepdim=True), steps)  # (H, 1, hd) int8
+        parts = [_quantize(b, bits, 1, bool(group), steps, c) for b in blocks]
+        if all(p is not None for p in parts):
+            q, codes = _joined(parts)
+            return _frame(kind | BYTES, q, [np.array([base]), c, *codes], cctx, group)
+    q, codes = _joined([_quantize(b, bits, 1, bool(group)) for b in blocks])
+    return _frame(kind, q, codes, cctx, group)
 
 
-def _v_frame(v: torch.Tensor, bits: int, rotate: torch.Tensor | None, cctx) -> bytes:
+def _v_frame(v: torch.Tensor, bits: int, rotate: torch.Tensor | None, byte_scales: bool, cctx) -> bytes:
     """v (H, n, hd) → a frame: per (head, token) over its channels, rotated first with `rotate` (hd, hd)."""
-    q, lo, step = _quantize(v.float() @ rotate if rotate is not None else v, bits, 2, clip=False)
-    return _frame(LEGACY if rotate is None else V_ROTATED, q, [lo, step], cctx)
+    x = v.float() @ rotate if rotate is not None else v.float()
+    kind = LEGACY if rotate is None else V_ROTATED
+    if byte_scales:
+        base = scales.base_for(float((x.amax(2) - x.amin(2)).max()) / ((1 << bits) - 1))
+        got = _quantize(x, bits, 2, False, scales.grid(base))
+        if got is not None:
+            return _frame(kind | BYTES, got[0], [np.array([base]), *got[1]], cctx)
+    return _frame(kind, *_quantize(x, bits, 2, False), cctx)
 
 
 def encode_frames(k: torch.Tensor, v: torch.Tensor, spec: Spec) -> list[bytes]:
@@ -148,8 +188,8 @@ def encode_frames(k: torch.Tensor, v: torch.Tensor, spec: Spec) -> list[bytes]:
     rotate = hadamard(k.shape[-1]) if spec.v_rotate else None
     frames = []
     for l in range(k.shape[0]):
-        frames.append(_k_frame(k[l], spec.k_bits[l], spec.k_group, cctx))
-        frames.append(_v_frame(v[l], spec.v_bits[l], rotate, cctx))
+        frames.append(_k_frame(k[l], spec.k_bits[l], spec.k_group, spec.byte_scales, cctx))
+        frames.append(_v_frame(v[l], spec.v_bits[l], rotate, spec.byte_scales, cctx))
     return frames
 
 
@@ -174,24 +214,32 @@ class Decoder:
         h, n, hd = out.shape
         (word,) = _U32.unpack_from(frame, 0)
         size, kind = word & ((1 << _KIND) - 1), word >> _KIND
-        if kind not in ((LEGACY, V_ROTATED) if per_token else (LEGACY, K_BLOCKS)):
+        if kind & ~BYTES not in ((LEGACY, V_ROTATED) if per_token else (LEGACY, K_BLOCKS)):
             raise ValueError(f"a {'V' if per_token else 'K'} frame of kind {kind}")
-        group = _U32.unpack_from(frame, _U32.size)[0] if kind == K_BLOCKS else n
+        group = _U32.unpack_from(frame, _U32.size)[0] if kind & K_BLOCKS else n
         if group <= 0:
             raise ValueError("a K frame with an empty token block")
         blocks = -(-n // group)
         shape = (h, n, 1) if per_token else (h, blocks, hd)
         groups = shape[0] * shape[1] * shape[2]
-        start = _U32.size * (2 if kind == K_BLOCKS else 1)
-        head = start + 4 * groups
+        start = _U32.size * (2 if kind & K_BLOCKS else 1)
+        centers = 0 if per_token or not kind & BYTES else h * hd
+        head = start + (4 + centers + 2 * groups if kind & BYTES else 4 * groups)
         if len(frame) != head + size:
             raise ValueError("frame length does not match its header")
-        scales = np.frombuffer(frame, dtype=np.float16, count=2 * groups, offset=start).astype(np.float32)
+        if kind & BYTES:  # scales.py: a float32 base, K's centers, then e and m a group
+            steps = scales.grid(np.frombuffer(frame, dtype=np.float32, count=1, offset=start)[0])
+            c = np.frombuffer(frame, dtype=np.int8, count=centers, offset=start + 4).reshape(h, 1, hd) if centers else None
+            e, m = (np.frombuffer(frame, dtype=t, count=groups, offset=start + 4 + centers + i * groups).reshape(shape)
+                    for i, t in enumerate((np.uint8, np.int8)))
+            lo, step = scales.values(steps, e, m, c)
+        else:
+            f16 = np.frombuffer(frame, dtype=np.float16, count=2 * groups, offset=start).astype(np.float32)
+            lo, step = f16[:groups].reshape(shape), f16[groups:].reshape(shape)
         raw = self._dctx.decompress(memoryview(frame)[head:], max_output_size=h * n * hd // 2)
         if len(raw) != h * n * hd // 2:
             raise ValueError("frame payload has the wrong size")
-        packed, lo, step = (np.frombuffer(raw, dtype=np.uint8).reshape(h, n, hd // 2),
-                            scales[:groups].reshape(shape), scales[groups:].reshape(shape))
+        packed = np.frombuffer(raw, dtype=np.uint8).reshape(h, n, hd // 2)
         if out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous():
             from . import nibbles  # numba compiles it on first use
 
@@ -201,7 +249,7 @@ class Decoder:
                 nibbles.per_channel(packed, lo, step, group, out.numpy())
         else:
             self._unpack(packed, lo, step, per_token, group, out)
-        if kind == V_ROTATED:
+        if kind & V_ROTATED:
             out.copy_(out @ self._rotation(hd, out.device).to(out.dtype))
         if noise is not None:
             per = (step * step).sum(axis=(0, 2)) / 12 * (hd if per_token else 1)  # (n,) per token, else (blocks,)

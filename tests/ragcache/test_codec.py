@@ -72,6 +72,65 @@ def test_compact_round_trip_on_real_kv_is_within_its_bound_and_under_3_2_bits(re
         assert _within_bound(real_chunk.v[l] @ rot, back.v[l] @ rot, spec.v_bits[l], dim=2)  # V: per (head, token)
 
 
+def _decoded(frames: list[bytes], shape) -> tuple[torch.Tensor, torch.Tensor]:
+    from ragcache.store.compact import Decoder
+
+    decoder, k, v = Decoder(), torch.empty(shape), torch.empty(shape)
+    for l in range(shape[0]):
+        decoder.layer(frames[2 * l], frames[2 * l + 1], k[l], v[l])
+    return k, v
+
+
+def _grid_bound(x: torch.Tensor, dim: int, bits: int, largest: float | None = None) -> torch.Tensor:
+    """+b's loosest kept place: one step up on the next grid step, so an element of a group's range is within
+    1.5 of those steps; a step is the group's min–max one, or the frame's first (its `largest` — by default
+    x's — over 2^(255/32))."""
+    ideal = (x.amax(dim, keepdim=True) - x.amin(dim, keepdim=True)) / ((1 << bits) - 1)
+    floor = (ideal.max() if largest is None else largest) / 2 ** (255 / 32)
+    return 1.5 * torch.clamp(ideal, min=floor) * 2 ** (2 / 32) * (1 + 1e-4) + 1e-6
+
+
+def test_byte_scales_halve_the_scales_bits_and_err_less_than_float16_ones_on_real_kv(real_chunk, smol_runner):
+    """+b writes a group's lo and step in a byte each (scales.py). On real KV every layer errs less than the same
+    widths with float16 min–max scales (the encoder keeps the best of ten places on the grid), the blob is
+    over 0.1 bits smaller (the scales' share falls with a chunk's length), and no element is further off than the grid allows."""
+    from ragcache.store.compact import BYTES, encode_frames
+
+    n, g = len(real_chunk), 96
+    k_pre = rotate_k(real_chunk.k, -torch.arange(real_chunk.start, real_chunk.start + n), smol_runner.inv_freq)
+    specs = [spec_for(name, smol_runner.num_layers, None, "fp") for name in
+             ("compact-k3v3+k16:30+L1+g96", "compact-k3v3+k16:30+L1+g96+b")]
+    frames = [encode_frames(k_pre, real_chunk.v, s) for s in specs]
+    bits = [sum(map(len, f)) * 8 / (2 * k_pre.numel()) for f in frames]
+    assert bits[1] <= 3.2 and bits[0] - bits[1] > 0.1, bits
+    assert all(f[3] >> 4 & BYTES for f in frames[1])  # no frame of real KV needed float16 scales
+    (k16, v16), (kb, vb) = (_decoded(f, k_pre.shape) for f in frames)
+    for l, kbits, vbits in zip(range(smol_runner.num_layers), specs[1].k_bits, specs[1].v_bits):
+        assert (kb[l] - k_pre[l]).square().sum() < (k16[l] - k_pre[l]).square().sum(), l
+        assert (vb[l] - real_chunk.v[l]).square().sum() < (v16[l] - real_chunk.v[l]).square().sum(), l
+        assert ((vb[l] - real_chunk.v[l]).abs() <= _grid_bound(real_chunk.v[l], 2, vbits)).all(), l
+        blocks = [k_pre[l, :, s : s + g] for s in range(0, n, g)]
+        largest = max(float((x.amax(1) - x.amin(1)).max()) for x in blocks) / ((1 << kbits) - 1)
+        for s, x in zip(range(0, n, g), blocks):  # K is clipped: beyond the kept range an element is off by ≤ ¼ more
+            loose = (x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) / 4 + _grid_bound(x, 1, kbits, largest)
+            assert ((kb[l, :, s : s + g] - x).abs() <= loose).all(), (l, s)
+
+
+def test_a_k_block_too_far_from_its_channel_center_gets_float16_scales():
+    """A K channel whose blocks sit hundreds of steps apart has no byte-sized lo: that layer's K frame is
+    written with float16 scales (and decodes within their bound), its V frame with bytes."""
+    from ragcache.store.compact import BYTES, encode_frames
+
+    torch.manual_seed(0)
+    k, v = torch.rand(1, 1, 32, 8), torch.rand(1, 1, 32, 8)
+    k[0, 0, 16:, 0] += 100.0  # channel 0's second block of 16 tokens
+    frames = encode_frames(k, v, spec_for("compact-k3v3+g16+b", 1, None, "fp"))
+    assert not frames[0][3] >> 4 & BYTES and frames[1][3] >> 4 & BYTES
+    kb, vb = _decoded(frames, k.shape)
+    assert all(_clipped_within_bound(k[0, :, s : s + 16], kb[0, :, s : s + 16], 3) for s in (0, 16))
+    assert ((vb - v).abs() <= _grid_bound(v[0, 0], 1, 3)).all()
+
+
 def test_pre_rope_k_is_rotated_to_its_new_place_when_fused(real_chunk, smol_runner):
     """A chunk whose K comes back before RoPE fuses as its post-RoPE original does, at a new offset."""
     n = len(real_chunk)
@@ -112,9 +171,9 @@ def test_raw_and_compact_blobs_share_a_store_and_a_corrupt_frame_is_never_served
     assert store.get("old") is not None
 
 
-@pytest.mark.parametrize("name, k_group, v_rotate", [("compact-k2v2", 0, False), ("compact-k2v2+g16+r", 16, True)])
-def test_a_frame_damaged_in_memory_does_not_decode(name, k_group, v_rotate):
-    spec = Spec.uniform(name, 4, 2, 2, k_group=k_group, v_rotate=v_rotate)
+@pytest.mark.parametrize("name", ["compact-k2v2", "compact-k2v2+g16+r", "compact-k2v2+g16+b"])
+def test_a_frame_damaged_in_memory_does_not_decode(name):
+    spec = spec_for(name, 4, None, "fp")
     entry = encode(fake_chunk(8, n=40), "float32", spec, 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
     entry.frames[2] = entry.frames[2][:-5]  # a K frame
     entry.frames[3] = bytes(entry.frames[3][:4]) + entry.frames[3][8:]  # a V frame's scales cut short
@@ -122,15 +181,14 @@ def test_a_frame_damaged_in_memory_does_not_decode(name, k_group, v_rotate):
         decode(entry, torch.float32, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("name, v_bits, k_group, v_rotate", [("compact-k3v3", 3, 0, False),
-                                                             ("compact-k3v2+g16+r", 2, 16, True)])
-def test_the_cpu_unpacking_equals_the_torch_one_the_gpu_runs(name, v_bits, k_group, v_rotate):
+@pytest.mark.parametrize("name", ["compact-k3v3", "compact-k3v2+g16+r", "compact-k3v2+g16+r+b", "compact-k3v3+b"])
+def test_the_cpu_unpacking_equals_the_torch_one_the_gpu_runs(name):
     """A contiguous float32 output is unpacked by numba in one pass; any other (CUDA's, or a strided view
     here) by torch. Both give the same floats, for every frame kind, a short last K block included."""
     from ragcache.store.compact import Decoder, encode_frames
 
     k, v = torch.randn(2, 3, 37, 8), torch.randn(2, 3, 37, 8)
-    frames = encode_frames(k, v, Spec.uniform(name, 2, 3, v_bits, k_group=k_group, v_rotate=v_rotate))
+    frames = encode_frames(k, v, spec_for(name, 2, None, "fp"))
     decoder = Decoder()
     for frame, per_token in zip(frames, [False, True] * 2):
         fast, slow = torch.empty(3, 37, 8), torch.empty(3, 8, 37).transpose(1, 2)  # the second not contiguous
@@ -140,9 +198,11 @@ def test_the_cpu_unpacking_equals_the_torch_one_the_gpu_runs(name, v_bits, k_gro
         assert fast.abs().max() > 0
 
 
-def test_the_rounding_error_the_decoder_reports_is_the_error_it_made_on_real_v(real_chunk, smol_runner, tmp_path):
+@pytest.mark.parametrize("name", ["compact", "compact-k3v3+k16:30+L1+g96+b"])
+def test_the_rounding_error_the_decoder_reports_is_the_error_it_made_on_real_v(real_chunk, smol_runner, tmp_path,
+                                                                                 name):
     """cacheblend takes it off its deviation: per token, summed over heads and hd, step²/12 an element."""
-    spec = spec_for("compact", smol_runner.num_layers, tmp_path, "uncalibrated")
+    spec = spec_for(name, smol_runner.num_layers, tmp_path, "uncalibrated")
     back = decode(from_bytes(to_bytes(encode(real_chunk, "float32", spec, smol_runner.inv_freq))), torch.float32,
                   torch.device("cpu"))
     n = len(real_chunk)
@@ -175,7 +235,8 @@ def test_a_codec_name_moves_k_and_v_bits_by_layer_range_and_a_boost_wins():
     assert spec_for("compact-k4v2+k0:99-v0:2", 3, None, "fp").k_bits == (4, 4, 4)  # clamped to 2..4 and to the layers
     assert spec_for("compact-k4v2+k0:99-v0:2", 3, None, "fp").v_bits == (2, 2, 2)
     assert spec_for("compact-k3v3", 4, None, "fp") == Spec.uniform("compact-k3v3", 4, 3, 3)  # no shift: as before
+    assert spec_for("compact-k3v3+g96+b", 4, None, "fp").byte_scales and not spec_for("compact-k3v3", 4, None, "fp").byte_scales
     Settings(kv_codec="compact-k3v3+k16:30-v0:16+L1+g96")
-    for bad in ("compact-k3v3+k16", "compact-k3v3+x0:4", "compact-k3v3+L1+k0:4"):
+    for bad in ("compact-k3v3+k16", "compact-k3v3+x0:4", "compact-k3v3+L1+k0:4", "compact-k3v3+b+r"):
         with pytest.raises(ValidationError, match="compact-kXvY"):
             Settings(kv_codec=bad)
