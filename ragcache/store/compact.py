@@ -27,7 +27,7 @@ Error bound (per element, before float16 rounding of the scales): |x − x̂| �
 step = (max − min) / (2^bits − 1) of its group; with clipping (+g), an element outside the group's clipped
 range [lo, lo + step·(2^bits − 1)] is off by its distance to it plus step / 2 (the range is never shrunk
 below half: CLIP); with +r the bound holds for the rotated V, and so for its L2 norm per token; with +b the
-step is the group's rounded up to the frame's grid (≤ 2.2% over it, or the grid's first step).
+step is the group's rounded up on the frame's grid (≤ 2.2% over it, or the grid's first step: scales.py).
 """
 from __future__ import annotations
 
@@ -110,11 +110,8 @@ def _quantize(x: torch.Tensor, bits: int, dim: int, clip: bool, steps: np.ndarra
         lo, step = lo.half(), ((hi - lo) / top).half()
         lo, step = _best(x, dim, top, lo, torch.where(step > 0, step, torch.ones_like(step)), [lo, step])
         return _symbols(x, lo, step, top), [lo.numpy(), step.numpy()]
-    # the range first (clipped: the best at exact scales), then its place on the grid
-    lo, hi = _best(x, dim, top, lo, (hi - lo) / top, [lo, hi]) if clip else (lo[0], hi[0])
-    e, m, fits = scales.place(lo[None], hi[None], top, steps, c)  # (P, *group): the places tried
-    e, m, fits = _best(x, dim, top, *(torch.from_numpy(a) for a in scales.values(steps, e.numpy(), m.numpy(), c)),
-                       [e, m, fits])
+    lo, hi = _best(x, dim, top, lo, (hi - lo) / top, [lo, hi]) if clip else (lo[0], hi[0])  # at exact scales
+    e, m, fits = scales.place(lo, hi, top, steps, c)  # then the nearest place on the grid
     if not fits.all():
         return None
     return _symbols(x, *(torch.from_numpy(a) for a in scales.values(steps, e.numpy(), m.numpy(), c)), top), \

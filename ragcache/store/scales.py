@@ -1,16 +1,20 @@
-"""A compact frame's scales at a byte each (codecs named `+b`): the step on a log grid, lo a whole number
-of steps from a center.
+"""A compact frame's scales at a byte each (codecs named `+b`): the step on a log grid, lo in quarter steps
+from a center.
 
-    step = grid(base)[e]                  # e uint8 per group; grid (256,) float32 = base · 2^(i/32)
-    lo   = center + m · step / 4          # m int8 per group; center 0 for V, c · grid[255] per K channel
+    step = grid(base)[e]                          # e uint8 a group; grid (256,) float32 = base · 2^(i/32)
+    lo   = center + (m + dither) · step / 4       # m int8 a group; center 0 for V, c · grid[255] per K channel
 
 A frame's `base` (float32) puts its largest min–max step at the top of the grid, so a group's step is its
 own rounded up by at most 2^(1/32) (2.2%); a group 2^(255/32) ≈ 250× finer than the frame's largest takes
-the grid's first step, still that much finer. lo may sit anywhere every element of the group's range is
-within step / 2 of a level (an interval at least a step long, so it holds quarter steps from the center);
-the encoder tries its five quarter-step places from the lowest and the grid's next step, and keeps the one
-with the least squared error: less than float16 min–max's on real KV (BENCHMARKS.md). A K channel's center (c int8, once per chunk) is its midrange over the
-chunk, so a channel that sits far from zero, as K's outlier channels do, keeps its blocks' m small.
+the grid's first step, still that much finer. lo is the group's own within an eighth of a step, so every
+element of its range is within half a step of a level, as with float16 scales. A K channel's center (c
+int8, once per chunk) is its midrange over the chunk, so a channel that sits far from zero, as K's outlier
+channels do, keeps its blocks' m small.
+
+`dither` offsets each V token's and K channel's lo by a fixed fraction of a quarter step (no bits: the
+decoder computes it). Without it the levels of groups that share a step sit on one lattice, and a channel
+that is nearly constant across tokens is rounded the same way in every one of them: errors that attention's
+sum over tokens adds up instead of averaging out (measured: ΔKL at 4 passages, BENCHMARKS.md).
 
 Against float16 lo and step: 16 bits a group instead of 32 (V: 0.25 bits an element at hd = 64 instead of
 0.5), plus 8 bits a K channel per chunk. A frame with a group whose m does not fit a byte (lo more than 32
@@ -44,26 +48,30 @@ def centers(lo: torch.Tensor, hi: torch.Tensor, steps: np.ndarray) -> np.ndarray
     return (((lo + hi) / 2) / float(steps[TOP])).round().clamp(-127, 127).to(torch.int8).numpy()
 
 
+def dither(shape: tuple[int, ...], k: bool) -> np.ndarray:
+    """Groups of `shape` → float32 in [0, 1) of that shape: each group's offset of lo in quarter steps,
+    frac(i · golden ratio) for the i-th V token or K channel (a K channel's blocks share it)."""
+    own = (shape[0], 1, shape[2]) if k else shape
+    d = np.arange(int(np.prod(own)), dtype=np.float64) * 0.6180339887498949 % 1.0
+    return np.broadcast_to(d.astype(np.float32).reshape(own), shape)
+
+
 def values(steps: np.ndarray, e: np.ndarray, m: np.ndarray, c: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """Codes → lo, step float32 of the groups' shape; c (H, 1, hd) int8 K centers, None for V. The encoder
     computes its symbols from these, so both sides use the same floats."""
     step = steps[e]
     center = np.float32(0) if c is None else c.astype(np.float32) * steps[TOP]
-    return center + m.astype(np.float32) * (step * np.float32(1 / QUARTERS)), step
+    return center + (m.astype(np.float32) + dither(e.shape, c is not None)) * (step * np.float32(1 / QUARTERS)), step
 
 
 def place(lo: torch.Tensor, hi: torch.Tensor, top: int, steps: np.ndarray, c: np.ndarray | None
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Candidate ranges [lo, hi] (C, *group) float32 at `top` + 1 levels → codes e (uint8), m (int8) and
-    whether m fits a byte (bool), each (10·C, *group): the step that covers the range and the next one up,
-    each with the five places of lo a quarter step apart from the lowest that covers it, for the encoder
-    to keep the best of."""
+    """Ranges [lo, hi] (any shape) float32 at `top` + 1 levels → codes e (uint8), m (int8) and whether m fits a
+    byte (bool), each of lo's shape: the first grid step that covers the range, lo at the nearest quarter step."""
     table = torch.from_numpy(steps)
-    e = torch.searchsorted(table, ((hi - lo) / top).contiguous())  # the first step ≥ the range's
-    e = torch.cat([e, e + 1]).clamp_(max=TOP)
+    e = torch.searchsorted(table, ((hi - lo) / top).contiguous()).clamp_(max=TOP)
     step = table[e]
     center = 0.0 if c is None else torch.from_numpy(c).float() * float(steps[TOP])
-    m = torch.ceil(QUARTERS * ((hi.repeat(2, *[1] * (hi.dim() - 1)) - center) / step - (top + 0.5)))  # ≤ step/2 off
-    e, m = torch.cat([e] * (QUARTERS + 1)), torch.cat([m + i for i in range(QUARTERS + 1)])
+    m = torch.round(QUARTERS * (lo - center) / step - torch.from_numpy(dither(tuple(lo.shape), c is not None).copy()))
     fits = (m >= -128) & (m <= 127)
     return e.to(torch.uint8), m.clamp_(-128, 127).to(torch.int8), fits

@@ -82,18 +82,18 @@ def _decoded(frames: list[bytes], shape) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _grid_bound(x: torch.Tensor, dim: int, bits: int, largest: float | None = None) -> torch.Tensor:
-    """+b's loosest kept place: one step up on the next grid step, so an element of a group's range is within
-    1.5 of those steps; a step is the group's min–max one, or the frame's first (its `largest` — by default
-    x's — over 2^(255/32))."""
+    """+b's bound: lo within an eighth of a step of the group's, so every element of the range is within half
+    a step of a level; a step is the group's min–max one rounded up on the grid (≤ 2^(1/32) over it), or the
+    grid's first (the frame's `largest` — by default x's — over 2^(255/32))."""
     ideal = (x.amax(dim, keepdim=True) - x.amin(dim, keepdim=True)) / ((1 << bits) - 1)
     floor = (ideal.max() if largest is None else largest) / 2 ** (255 / 32)
-    return 1.5 * torch.clamp(ideal, min=floor) * 2 ** (2 / 32) * (1 + 1e-4) + 1e-6
+    return 0.5 * torch.clamp(ideal, min=floor) * 2 ** (1 / 32) * (1 + 1e-4) + 1e-6
 
 
-def test_byte_scales_halve_the_scales_bits_and_err_less_than_float16_ones_on_real_kv(real_chunk, smol_runner):
-    """+b writes a group's lo and step in a byte each (scales.py). On real KV every layer errs less than the same
-    widths with float16 min–max scales (the encoder keeps the best of ten places on the grid), the blob is
-    over 0.1 bits smaller (the scales' share falls with a chunk's length), and no element is further off than the grid allows."""
+def test_byte_scales_cost_half_the_scales_bits_and_keep_the_error_bound_on_real_kv(real_chunk, smol_runner):
+    """+b writes a group's lo and step in a byte each (scales.py). On real KV its frames' scales and headers take
+    little over half the bytes of float16 scales, no element is further off than the grid's half step, and
+    no layer errs more than 10% over the same widths with float16 scales."""
     from ragcache.store.compact import BYTES, encode_frames
 
     n, g = len(real_chunk), 96
@@ -101,13 +101,14 @@ def test_byte_scales_halve_the_scales_bits_and_err_less_than_float16_ones_on_rea
     specs = [spec_for(name, smol_runner.num_layers, None, "fp") for name in
              ("compact-k3v3+k16:30+L1+g96", "compact-k3v3+k16:30+L1+g96+b")]
     frames = [encode_frames(k_pre, real_chunk.v, s) for s in specs]
-    bits = [sum(map(len, f)) * 8 / (2 * k_pre.numel()) for f in frames]
-    assert bits[1] <= 3.2 and bits[0] - bits[1] > 0.1, bits
+    bits = sum(map(len, frames[1])) * 8 / (2 * k_pre.numel())
+    head = [sum(len(f) - (int.from_bytes(f[:4], "little") & (1 << 28) - 1) for f in fs) for fs in frames]  # scales
+    assert bits <= 3.2 and head[1] < 0.55 * head[0], (bits, head)
     assert all(f[3] >> 4 & BYTES for f in frames[1])  # no frame of real KV needed float16 scales
     (k16, v16), (kb, vb) = (_decoded(f, k_pre.shape) for f in frames)
     for l, kbits, vbits in zip(range(smol_runner.num_layers), specs[1].k_bits, specs[1].v_bits):
-        assert (kb[l] - k_pre[l]).square().sum() < (k16[l] - k_pre[l]).square().sum(), l
-        assert (vb[l] - real_chunk.v[l]).square().sum() < (v16[l] - real_chunk.v[l]).square().sum(), l
+        assert (kb[l] - k_pre[l]).square().sum() < 1.1 * (k16[l] - k_pre[l]).square().sum(), l
+        assert (vb[l] - real_chunk.v[l]).square().sum() < 1.1 * (v16[l] - real_chunk.v[l]).square().sum(), l
         assert ((vb[l] - real_chunk.v[l]).abs() <= _grid_bound(real_chunk.v[l], 2, vbits)).all(), l
         blocks = [k_pre[l, :, s : s + g] for s in range(0, n, g)]
         largest = max(float((x.amax(1) - x.amin(1)).max()) for x in blocks) / ((1 << kbits) - 1)
