@@ -116,7 +116,7 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
                    help="blend, precompute, coverage: MuSiQue-format file")
     b.add_argument("--question", type=int, default=0, help="blend: which question's passages")
     b.add_argument("--passages", type=_ints, default=None,
-                   help="blend: passage counts (4,10); coverage: top-k values (1,2,4,8,10)")
+                   help="blend, store: passage counts (4,10); coverage: top-k values (1,2,4,8,10)")
     b.add_argument("--chunk-prefill", choices=CHOICES["chunk_prefill"], default="alone")
     b.add_argument("--window", type=int, default=0,
                    help="coverage: index passages cut into pieces of at most this many embedder tokens (0: whole)")

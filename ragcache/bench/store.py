@@ -152,20 +152,21 @@ def _codec_parts(settings, args, root: Path, parts: set[str]) -> None:
     from .timeline import print_timeline
 
     item = load_dataset(Path(args.dataset), None)[args.question]
+    passages = args.passages or [4, 10]
     with RagCache(settings) as service:
         if "codecs" in parts:
-            chunks = real_chunks(service, item, max(args.passages))
+            chunks = real_chunks(service, item, max(passages))
             rows = sizes_and_speeds(service, chunks, args.codecs, args.repeats)
             print_sizes(rows, chunks, service.model)
             measured = {r[0]: (r[1], r[4]) for r in rows if r[0] not in ("raw float32", "raw bfloat16")}
             print_timeline({"raw bf16": (16.0, None), **measured})  # an 8B bf16 blob needs no decode
         if "ttft" in parts:
             rows = []
-            for n in args.passages:
+            for n in passages:
                 rows += ttft(service, item, real_chunks(service, item, n), ["raw", *args.codecs], root, args.repeats)
             print_ttft(rows, args.repeats)
         if "fidelity" in parts:
-            print_fidelity(fidelity(service, args.dataset, args.codecs, args.passages, args.limit, root), args.limit)
+            print_fidelity(fidelity(service, args.dataset, args.codecs, passages, args.limit, root), args.limit)
 
 
 def run(settings, args) -> int:

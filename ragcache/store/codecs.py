@@ -20,8 +20,9 @@ from pathlib import Path
 from ..config import KV_CODEC, KV_CODEC_FORM
 from .compact import Spec
 
-DEFAULT = "compact-k3v3+L1+g96"  # `compact` for a model never calibrated: 3.16 bits; layer 1, CacheBlend's check
-# layer, one bit more: its deviation otherwise ranks tokens by their quantization error (BENCHMARKS.md)
+DEFAULT = "compact-k3v3+k16:30+L1+g96+b"  # `compact` for a model never calibrated: 3.17 bits; K one bit more in
+# layers 16..29, where the 10-passage fidelity is lost, paid for by scales at a byte each; layer 1, CacheBlend's
+# check layer, one bit more: its deviation otherwise ranks tokens by their quantization error (BENCHMARKS.md)
 log = logging.getLogger("ragcache.store")
 
 

@@ -50,7 +50,8 @@ def _clipped_within_bound(x: torch.Tensor, x_hat: torch.Tensor, bits: int) -> bo
     return bool((sq <= sq_plain * (1 + 1e-3) + 1e-9).all() and ((x - x_hat).abs() <= loose).all())
 
 
-@pytest.mark.parametrize("name", ["compact", "compact-k3v3"])  # the default; the first format
+@pytest.mark.parametrize("name", ["compact", "compact-k3v3+L1+g96", "compact-k3v3"])  # the default, the one
+# before it (float16 scales), the first format
 def test_compact_round_trip_on_real_kv_is_within_its_bound_and_under_3_2_bits(real_chunk, smol_runner, tmp_path,
                                                                               name):
     spec = spec_for(name, smol_runner.num_layers, tmp_path, "uncalibrated")
@@ -63,6 +64,10 @@ def test_compact_round_trip_on_real_kv_is_within_its_bound_and_under_3_2_bits(re
     k_pre = rotate_k(real_chunk.k, -torch.arange(real_chunk.start, real_chunk.start + n), smol_runner.inv_freq)
     rot = hadamard(hd) if spec.v_rotate else torch.eye(hd)  # its own inverse: the bound holds for V rotated
     for l in range(smol_runner.num_layers):
+        if spec.byte_scales:  # scales on a grid (scales.py)
+            assert _grid_bounds_hold(k_pre[l], back.k[l], real_chunk.v[l], back.v[l], spec.k_group, spec.k_bits[l],
+                                     spec.v_bits[l]), l
+            continue
         if spec.k_group:  # K: per (head, channel) in blocks of tokens, clipped
             g = spec.k_group
             assert all(_clipped_within_bound(k_pre[l, :, s : s + g], back.k[l, :, s : s + g], spec.k_bits[l])
@@ -90,13 +95,24 @@ def _grid_bound(x: torch.Tensor, dim: int, bits: int, largest: float | None = No
     return 0.5 * torch.clamp(ideal, min=floor) * 2 ** (1 / 32) * (1 + 1e-4) + 1e-6
 
 
+def _grid_bounds_hold(k: torch.Tensor, k_hat: torch.Tensor, v: torch.Tensor, v_hat: torch.Tensor, g: int, k_bits: int,
+                      v_bits: int) -> bool:
+    """A layer's K (pre-RoPE) and V (H, n, hd) against their +b decoding: V within the grid's half step, K too
+    but clipped in blocks of g tokens (beyond the kept range an element is off by up to a quarter more)."""
+    blocks = [k[:, s : s + g] for s in range(0, k.shape[1], g)]
+    largest = max(float((x.amax(1) - x.amin(1)).max()) for x in blocks) / ((1 << k_bits) - 1)
+    return bool(((v_hat - v).abs() <= _grid_bound(v, 2, v_bits)).all()) and all(
+        ((k_hat[:, s : s + g] - x).abs() <= (x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) / 4
+         + _grid_bound(x, 1, k_bits, largest)).all() for s, x in zip(range(0, k.shape[1], g), blocks))
+
+
 def test_byte_scales_cost_half_the_scales_bits_and_keep_the_error_bound_on_real_kv(real_chunk, smol_runner):
     """+b writes a group's lo and step in a byte each (scales.py). On real KV its frames' scales and headers take
     little over half the bytes of float16 scales, no element is further off than the grid's half step, and
     no layer errs more than 10% over the same widths with float16 scales."""
     from ragcache.store.compact import BYTES, encode_frames
 
-    n, g = len(real_chunk), 96
+    n = len(real_chunk)
     k_pre = rotate_k(real_chunk.k, -torch.arange(real_chunk.start, real_chunk.start + n), smol_runner.inv_freq)
     specs = [spec_for(name, smol_runner.num_layers, None, "fp") for name in
              ("compact-k3v3+k16:30+L1+g96", "compact-k3v3+k16:30+L1+g96+b")]
@@ -109,12 +125,7 @@ def test_byte_scales_cost_half_the_scales_bits_and_keep_the_error_bound_on_real_
     for l, kbits, vbits in zip(range(smol_runner.num_layers), specs[1].k_bits, specs[1].v_bits):
         assert (kb[l] - k_pre[l]).square().sum() < 1.1 * (k16[l] - k_pre[l]).square().sum(), l
         assert (vb[l] - real_chunk.v[l]).square().sum() < 1.1 * (v16[l] - real_chunk.v[l]).square().sum(), l
-        assert ((vb[l] - real_chunk.v[l]).abs() <= _grid_bound(real_chunk.v[l], 2, vbits)).all(), l
-        blocks = [k_pre[l, :, s : s + g] for s in range(0, n, g)]
-        largest = max(float((x.amax(1) - x.amin(1)).max()) for x in blocks) / ((1 << kbits) - 1)
-        for s, x in zip(range(0, n, g), blocks):  # K is clipped: beyond the kept range an element is off by ≤ ¼ more
-            loose = (x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) / 4 + _grid_bound(x, 1, kbits, largest)
-            assert ((kb[l, :, s : s + g] - x).abs() <= loose).all(), (l, s)
+        assert _grid_bounds_hold(k_pre[l], kb[l], real_chunk.v[l], vb[l], 96, kbits, vbits), l
 
 
 def test_a_k_block_too_far_from_its_channel_center_gets_float16_scales():
