@@ -68,7 +68,10 @@ def test_batched_decode_over_compact_caches_matches_each_alone(smol_runner, dtyp
         caches.append(cache)
     batched = decode_batch(smol_runner, caches, [t for t, _ in alone])
     for row, (_, ref) in enumerate(alone):
-        assert torch.allclose(batched[row], ref, atol=1e-4, rtol=1e-4), (row, (batched[row] - ref).abs().max())
+        # a batch's products and one row's may take different float32 GEMM kernels (an Intel AMX host: 1.9e-4 on
+        # logits of 22 for bfloat16 caches): equal within 2e-5 of the logits' scale, a wrong row is off by ~1
+        gap = float((batched[row] - ref).abs().max())
+        assert gap <= 2e-5 * float(ref.abs().max()), (row, gap)
     assert [c.length for c in caches] == [p.numel() + 1 for p in prompts]
 
 
