@@ -100,7 +100,8 @@ def _quantize(x: torch.Tensor, bits: int, dim: int, clip: bool, steps: np.ndarra
     """x (H, n, hd) float, groups along `dim` → symbols (H, n, hd) uint8 and the scales: lo and step float16
     (the group shape, `dim` of size 1), or with a byte grid `steps` (scales.py; c: K's centers) codes e uint8
     and m int8 — None where an m does not fit a byte. With `clip`, each group's range is the CLIP fraction of
-    it with the least squared error. The symbols are computed from the scales the decoder will use."""
+    it with the least squared error at the scales the frame will hold: a range chosen at exact scales and then
+    put on the byte grid lost K's fidelity (BENCHMARKS.md). The symbols are computed from those scales."""
     x = x.float()
     lo0, hi0 = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
     top = (1 << bits) - 1
@@ -110,8 +111,9 @@ def _quantize(x: torch.Tensor, bits: int, dim: int, clip: bool, steps: np.ndarra
         lo, step = lo.half(), ((hi - lo) / top).half()
         lo, step = _best(x, dim, top, lo, torch.where(step > 0, step, torch.ones_like(step)), [lo, step])
         return _symbols(x, lo, step, top), [lo.numpy(), step.numpy()]
-    lo, hi = _best(x, dim, top, lo, (hi - lo) / top, [lo, hi]) if clip else (lo[0], hi[0])  # at exact scales
-    e, m, fits = scales.place(lo, hi, top, steps, c)  # then the nearest place on the grid
+    e, m, fits = scales.place(lo, hi, top, steps, c)  # each range's nearest place on the grid, (C, *group)
+    e, m, fits = _best(x, dim, top, *(torch.from_numpy(np.ascontiguousarray(a)) for a in
+                                      scales.values(steps, e.numpy(), m.numpy(), c)), [e, m, fits])
     if not fits.all():
         return None
     return _symbols(x, *(torch.from_numpy(a) for a in scales.values(steps, e.numpy(), m.numpy(), c)), top), \

@@ -51,7 +51,7 @@ def centers(lo: torch.Tensor, hi: torch.Tensor, steps: np.ndarray) -> np.ndarray
 def dither(shape: tuple[int, ...], k: bool) -> np.ndarray:
     """Groups of `shape` → float32 in [0, 1) of that shape: each group's offset of lo in quarter steps,
     frac(i · golden ratio) for the i-th V token or K channel (a K channel's blocks share it)."""
-    own = (shape[0], 1, shape[2]) if k else shape
+    own = (shape[-3], 1, shape[-1]) if k else shape  # K: (H, 1, hd), whatever leads
     d = np.arange(int(np.prod(own)), dtype=np.float64) * 0.6180339887498949 % 1.0
     return np.broadcast_to(d.astype(np.float32).reshape(own), shape)
 
