@@ -112,12 +112,9 @@ def _quantize(x: torch.Tensor, bits: int, dim: int, clip: bool, steps: np.ndarra
         lo, step = _best(x, dim, top, lo, torch.where(step > 0, step, torch.ones_like(step)), [lo, step])
         return _symbols(x, lo, step, top), [lo.numpy(), step.numpy()]
     e, m, fits = scales.place(lo, hi, top, steps, c)  # each range's nearest place on the grid, (C, *group)
-    e, m, fits = _best(x, dim, top, *(torch.from_numpy(np.ascontiguousarray(a)) for a in
-                                      scales.values(steps, e.numpy(), m.numpy(), c)), [e, m, fits])
-    if not fits.all():
-        return None
-    return _symbols(x, *(torch.from_numpy(a) for a in scales.values(steps, e.numpy(), m.numpy(), c)), top), \
-        [e.numpy(), m.numpy()]
+    lo, step = (torch.from_numpy(np.ascontiguousarray(a)) for a in scales.values(steps, e.numpy(), m.numpy(), c))
+    e, m, fits, lo, step = _best(x, dim, top, lo, step, [e, m, fits, lo, step])  # the decoder's floats, kept
+    return (_symbols(x, lo, step, top), [e.numpy(), m.numpy()]) if fits.all() else None
 
 
 def _best(x: torch.Tensor, dim: int, top: int, lo: torch.Tensor, step: torch.Tensor, codes: list[torch.Tensor]
