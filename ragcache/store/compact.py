@@ -207,6 +207,8 @@ class Decoder:
         On a CUDA `out` the zstd stage runs on the CPU and the unpacking on the GPU. `noise` (n,) float32 CPU,
         when given, gets each token's expected squared rounding error summed over heads and channels (step²/12
         an element; a rotation keeps it; K's clipped outliers err more, uncounted)."""
+        from . import nibbles  # numba compiles it on first use
+
         h, n, hd = out.shape
         (word,) = _U32.unpack_from(frame, 0)
         size, kind = word & ((1 << _KIND) - 1), word >> _KIND
@@ -237,8 +239,6 @@ class Decoder:
             raise ValueError("frame payload has the wrong size")
         packed = np.frombuffer(raw, dtype=np.uint8).reshape(h, n, hd // 2)
         if out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous():
-            from . import nibbles  # numba compiles it on first use
-
             if per_token:
                 nibbles.per_token(packed, lo[..., 0], step[..., 0], out.numpy())
             else:
@@ -248,8 +248,7 @@ class Decoder:
         if kind & V_ROTATED:
             out.copy_(out @ self._rotation(hd, out.device).to(out.dtype))
         if noise is not None:
-            per = (step * step).sum(axis=(0, 2)) / 12 * (hd if per_token else 1)  # (n,) per token, else (blocks,)
-            noise.copy_(torch.from_numpy(per if per_token else np.repeat(per, group)[:n]))
+            nibbles.noise(step, per_token, hd, group, noise.numpy())
 
     @staticmethod
     def _unpack(packed: np.ndarray, lo: np.ndarray, step: np.ndarray, per_token: bool, group: int,

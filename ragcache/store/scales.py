@@ -28,11 +28,13 @@ import torch
 PER_OCTAVE = 32
 TOP = 255  # the largest code
 QUARTERS = 4  # lo's unit: a quarter of the group's step
+_OCTAVES = np.exp2(np.arange(TOP + 1) / PER_OCTAVE)  # (256,) float64, read only
+_OCTAVES.flags.writeable = False
 
 
 def grid(base: float) -> np.ndarray:
     """(256,) float32 steps, ascending; the encoder and the decoder compute it alike from the stored base."""
-    return (np.float64(np.float32(base)) * np.exp2(np.arange(TOP + 1) / PER_OCTAVE)).astype(np.float32)
+    return (np.float64(np.float32(base)) * _OCTAVES).astype(np.float32)
 
 
 def base_for(largest_step: float) -> np.float32:
@@ -57,11 +59,18 @@ def dither(shape: tuple[int, ...], k: bool) -> np.ndarray:
 
 
 def values(steps: np.ndarray, e: np.ndarray, m: np.ndarray, c: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Codes → lo, step float32 of the groups' shape; c (H, 1, hd) int8 K centers, None for V. The encoder
-    computes its symbols from these, so both sides use the same floats."""
-    step = steps[e]
-    center = np.float32(0) if c is None else c.astype(np.float32) * steps[TOP]
-    return center + (m.astype(np.float32) + dither(e.shape, c is not None)) * (step * np.float32(1 / QUARTERS)), step
+    """Codes e uint8, m int8 (…, H, B, W) → lo, step float32 of that shape; c (H, 1, hd) int8 K centers, None for
+    V. The encoder computes its symbols from these, so both sides use the same floats: one compiled loop a frame
+    (nibbles.byte_scales, its dither as `dither`), where numpy took five passes and most of a frame's overhead."""
+    from . import nibbles  # numba compiles it on first use
+
+    shape, rows = e.shape, (-1, *e.shape[-2:])  # rows: the leading dims (candidates, heads) as one
+    lo, step = np.empty(shape, np.float32), np.empty(shape, np.float32)
+    cc = (np.empty((0, 1, 0), np.int8) if c is None
+          else np.ascontiguousarray(np.broadcast_to(c, (*shape[:-2], 1, shape[-1]))).reshape(-1, 1, shape[-1]))
+    nibbles.byte_scales(np.ascontiguousarray(e).reshape(rows), np.ascontiguousarray(m).reshape(rows), cc, steps,
+                        shape[-3] * shape[-1], lo.reshape(rows), step.reshape(rows))
+    return lo, step
 
 
 def place(lo: torch.Tensor, hi: torch.Tensor, top: int, steps: np.ndarray, c: np.ndarray | None

@@ -1,6 +1,7 @@
 """The compact KV codec: its error bound on real KV, its size, old and new blobs side by side, corrupt frames."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -141,6 +142,20 @@ def test_a_k_block_too_far_from_its_channel_center_gets_float16_scales():
     kb, vb = _decoded(frames, k.shape)
     assert all(_clipped_within_bound(k[0, :, s : s + 16], kb[0, :, s : s + 16], 3) for s in (0, 16))
     assert ((vb - v).abs() <= _grid_bound(v[0, 0], 1, 3)).all()
+
+
+@pytest.mark.parametrize("shape, k", [((3, 37, 1), False), ((11, 3, 5, 8), True)])
+def test_the_compiled_scales_dither_lo_as_the_encoder_places_it(shape, k):
+    """scales.values (one compiled loop, the decoder's and the encoder's) and scales.place (the encoder's torch,
+    through `dither`) must offset each group's lo alike: on a grid whose first quarter step is 1, with m = 0 and
+    centers 0, lo is the dither itself (K: a channel's blocks and the leading candidates share it)."""
+    from ragcache.store import scales
+
+    steps = scales.grid(4.0)
+    e = np.zeros(shape, np.uint8)
+    lo, step = scales.values(steps, e, e.view(np.int8), np.zeros((3, 1, 8), np.int8) if k else None)
+    assert np.array_equal(lo, scales.dither(shape, k)) and (step == 4).all()
+    assert len(np.unique(lo)) == (3 * 8 if k else 3 * 37)
 
 
 def test_pre_rope_k_is_rotated_to_its_new_place_when_fused(real_chunk, smol_runner):
