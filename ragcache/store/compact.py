@@ -103,18 +103,32 @@ def _quantize(x: torch.Tensor, bits: int, dim: int, clip: bool, steps: np.ndarra
     it with the least squared error at the scales the frame will hold: a range chosen at exact scales and then
     put on the byte grid lost K's fidelity (BENCHMARKS.md). The symbols are computed from those scales."""
     x = x.float()
-    lo0, hi0 = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
     top = (1 << bits) - 1
+    if steps is not None:
+        return _placed(x, top, dim, (CLIP if clip else CLIP[:1]).numpy(), steps, c)
+    lo0, hi0 = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
     half = (hi0 - lo0) * (CLIP if clip else CLIP[:1]).view(-1, 1, 1, 1) / 2
     lo, hi = (lo0 + hi0) / 2 - half, (lo0 + hi0) / 2 + half  # (C, *group): the ranges tried
-    if steps is None:
-        lo, step = lo.half(), ((hi - lo) / top).half()
-        lo, step = _best(x, dim, top, lo, torch.where(step > 0, step, torch.ones_like(step)), [lo, step])
-        return _symbols(x, lo, step, top), [lo.numpy(), step.numpy()]
-    e, m, fits = scales.place(lo, hi, top, steps, c)  # each range's nearest place on the grid, (C, *group)
-    lo, step = (torch.from_numpy(np.ascontiguousarray(a)) for a in scales.values(steps, e.numpy(), m.numpy(), c))
-    e, m, fits, lo, step = _best(x, dim, top, lo, step, [e, m, fits, lo, step])  # the decoder's floats, kept
-    return (_symbols(x, lo, step, top), [e.numpy(), m.numpy()]) if fits.all() else None
+    lo, step = lo.half(), ((hi - lo) / top).half()
+    lo, step = _best(x, dim, top, lo, torch.where(step > 0, step, torch.ones_like(step)), [lo, step])
+    return _symbols(x, lo, step, top), [lo.numpy(), step.numpy()]
+
+
+def _placed(x: torch.Tensor, top: int, dim: int, clip: np.ndarray, steps: np.ndarray, c: np.ndarray | None
+            ) -> tuple[np.ndarray, list[np.ndarray]] | None:
+    """`_quantize` on the byte grid, in one compiled pass (nibbles.place_best): each group on the last axis."""
+    from . import nibbles  # numba compiles it on first use
+
+    rows = np.ascontiguousarray(x.transpose(1, 2).numpy() if dim == 1 else x.numpy())  # K (H, hd, n), V (H, n, hd)
+    centers = (np.zeros(rows.shape[:2], np.float32) if c is None
+               else np.ascontiguousarray(c[:, 0, :].astype(np.float32) * steps[scales.TOP]))
+    e, m = np.empty(rows.shape[:2], np.uint8), np.empty(rows.shape[:2], np.int8)
+    q = np.empty(rows.shape, np.uint8)
+    if not nibbles.place_best(rows, top, steps, clip, centers, e, m, q):
+        return None
+    if dim == 1:  # back to (H, n, hd) and the codes' (H, 1, hd)
+        return np.ascontiguousarray(q.transpose(0, 2, 1)), [e[:, None, :], m[:, None, :]]
+    return q, [e[..., None], m[..., None]]
 
 
 def _best(x: torch.Tensor, dim: int, top: int, lo: torch.Tensor, step: torch.Tensor, codes: list[torch.Tensor]

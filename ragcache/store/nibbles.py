@@ -1,5 +1,6 @@
-"""The compact codec's last stages on the CPU, compiled by numba: a frame's byte scales to floats, packed
-symbols to float32 in one pass, and the rounding noise the decoder reports.
+"""The compact codec's compiled loops (numba): the decoder's (a frame's byte scales to floats, packed symbols to
+float32 in one pass, the rounding noise it reports) and the encoder's choice of each group's byte scales. One
+file: numba's on-disk cache keys a function by its own file, and both sides share `_dither` and `_lo`.
 
 Each byte holds two symbols (channel j low, channel j + hd/2 high); a symbol q becomes q · step + lo of
 its group: per (head, token) for V, per (head, block of tokens, channel) for K. Torch needed five passes
@@ -41,22 +42,95 @@ def per_channel(packed, lo, step, group, out):  # pragma: no cover — compiled
                     high[j] = np.float32(src[j] >> 4) * s_high[j] + a_high[j]
 
 
-@numba.njit(cache=True)  # no fastmath: the encoder computes its symbols from these same floats
-def byte_scales(e, m, c, steps, period, lo, step):  # pragma: no cover — compiled
-    """scales.values: e uint8, m int8 (G, B, W) a group each; c (G, 1, W) int8 K centers, or an empty array for
-    V; steps (256,) float32 → lo, step (G, B, W) float32. A group's dither is frac(i · golden ratio), i its
-    index in V's groups, or its K channel's (G · W, modulo `period` = heads · hd: candidates share it)."""
+@numba.njit(inline="always")
+def _dither(i):  # pragma: no cover — compiled
+    """Group i's offset of lo in quarter steps: frac(i · golden ratio), float32 (scales.py); y − floor(y) is
+    y % 1 exactly for y ≥ 0, without fmod's library call."""
+    y = i * 0.6180339887498949
+    return np.float32(y - np.floor(y))
+
+
+@numba.njit(inline="always")
+def _lo(center, m, d, s):  # pragma: no cover — compiled
+    """lo = center + (m + dither) · step / 4, float32: the encoder and the decoder in the same operations."""
+    return center + (np.float32(m) + d) * (s * np.float32(0.25))
+
+
+@numba.njit(cache=True)  # no fastmath: the encoder computes its symbols from the decoder's floats
+def byte_scales(e, m, c, steps, lo, step):  # pragma: no cover — compiled
+    """scales.values: e uint8, m int8 (H, B, W) a group each; c (H, 1, W) int8 K centers, or an empty array for
+    V; steps (256,) float32 → lo, step (H, B, W) float32. A group's dither index is its own among V's groups
+    (W = 1), or its K channel's (a channel's blocks share it)."""
     g, b, w = e.shape
     top = steps[steps.shape[0] - 1]
     for x in range(g):
         for y in range(b):
             for z in range(w):
                 s = steps[e[x, y, z]]
-                i = (x * w + z) % period if c.size else (x * b + y) * w + z
-                d = np.float32((i * 0.6180339887498949) % 1.0)
+                i = x * w + z if c.size else (x * b + y) * w + z
                 center = np.float32(c[x, 0, z]) * top if c.size else np.float32(0)
-                lo[x, y, z] = center + (np.float32(m[x, y, z]) + d) * (s * np.float32(0.25))
+                lo[x, y, z] = _lo(center, m[x, y, z], _dither(i), s)
                 step[x, y, z] = s
+
+
+@numba.njit(fastmath=True, cache=True)
+def _squared_error(row, lo, s, top):  # pragma: no cover — compiled
+    """Σ (clamp(round((x − lo) / s), 0, top) · s + lo − x)² over row (n,) float32: a candidate's cost, in
+    whatever order vectorizes (only a near-tie between candidates can tell the difference)."""
+    total = np.float32(0)
+    for t in range(row.shape[0]):
+        r = min(max(np.rint((row[t] - lo) / s), np.float32(0)), top) * s + lo - row[t]
+        total += r * r
+    return total
+
+
+@numba.njit(fastmath=True, cache=True)
+def _range(row):  # pragma: no cover — compiled
+    """min and max of row (n,) float32, n ≥ 1, in vector lanes (`row.min()` is a scalar loop)."""
+    lo = hi = row[0]
+    for t in range(row.shape[0]):
+        lo, hi = min(lo, row[t]), max(hi, row[t])
+    return lo, hi
+
+
+@numba.njit(fastmath={"nnan", "ninf", "nsz"}, cache=True)  # exact arithmetic, loops that vectorize
+def _symbols(row, lo, s, top, q):  # pragma: no cover — compiled
+    """q (n,) uint8 = clamp(round((row − lo) / s), 0, top), row (n,) float32."""
+    for t in range(row.shape[0]):
+        q[t] = np.uint8(min(max(np.rint((row[t] - lo) / s), np.float32(0)), top))
+
+
+@numba.njit(cache=True)  # no fastmath: as byte_scales
+def place_best(x, top, steps, clip, centers, e, m, q):  # pragma: no cover — compiled
+    """The encoder's `+b` groups: x (A, B, L) float32, group (a, b) the row x[a, b] (K: a head's channel over a
+    block of tokens; V: a head's token over its channels), dither index a · B + b. Each group's range, shrunk
+    around its middle to each `clip` fraction, is put on the grid `steps` (the first step ≥ range / top, lo at
+    the nearest quarter step from the group's center, centers (A, B) float32); the candidate with the least
+    squared error (the first of equals) is kept → e uint8, m int8 (A, B), symbols q (A, B, L) uint8 in 0..top.
+    Returns whether every kept m fits a byte (unclamped)."""
+    n_a, n_b, n = x.shape
+    ftop, last, cands = np.float32(top), steps.shape[0] - 1, clip.shape[0]
+    fits = True
+    lo, s, k = np.empty(cands, np.float32), np.empty(cands, np.float32), np.empty(cands, np.float32)
+    code, err = np.empty(cands, np.int64), np.empty(cands, np.float32)
+    for a in range(n_a):
+        for b in range(n_b):
+            row, center, d = x[a, b], centers[a, b], _dither(a * n_b + b)
+            lo0, hi0 = _range(row)
+            mid = (lo0 + hi0) / np.float32(2)
+            for c in range(cands):
+                half = (hi0 - lo0) * clip[c] / np.float32(2)
+                code[c] = min(np.searchsorted(steps, ((mid + half) - (mid - half)) / ftop), last)
+                s[c] = steps[code[c]]
+                k[c] = np.rint(np.float32(4) * ((mid - half) - center) / s[c] - d)
+                lo[c] = _lo(center, min(max(k[c], np.float32(-128)), np.float32(127)), d, s[c])
+            for c in range(cands if cands > 1 else 0):
+                err[c] = _squared_error(row, lo[c], s[c], ftop)
+            best = np.argmin(err) if cands > 1 else 0
+            fits = fits and -128 <= k[best] <= 127
+            e[a, b], m[a, b] = code[best], np.int8(min(max(k[best], np.float32(-128)), np.float32(127)))
+            _symbols(row, lo[best], s[best], ftop, q[a, b])
+    return fits
 
 
 @numba.njit(cache=True)

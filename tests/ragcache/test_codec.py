@@ -144,18 +144,18 @@ def test_a_k_block_too_far_from_its_channel_center_gets_float16_scales():
     assert ((vb - v).abs() <= _grid_bound(v[0, 0], 1, 3)).all()
 
 
-@pytest.mark.parametrize("shape, k", [((3, 37, 1), False), ((11, 3, 5, 8), True)])
-def test_the_compiled_scales_dither_lo_as_the_encoder_places_it(shape, k):
-    """scales.values (one compiled loop, the decoder's and the encoder's) and scales.place (the encoder's torch,
-    through `dither`) must offset each group's lo alike: on a grid whose first quarter step is 1, with m = 0 and
-    centers 0, lo is the dither itself (K: a channel's blocks and the leading candidates share it)."""
+@pytest.mark.parametrize("shape, k", [((3, 37, 1), False), ((3, 5, 8), True)])
+def test_byte_scales_dither_lo_by_the_golden_ratio_of_each_v_token_or_k_channel(shape, k):
+    """The decoder's lo is center + (m + dither) · step / 4, dither = frac(i · golden ratio) for the i-th V token
+    or K channel (a channel's blocks share it): on a grid whose first quarter step is 1, with m = 0 and centers
+    0, lo is the dither itself. The encoder places lo with the same compiled code (nibbles._lo, ._dither)."""
     from ragcache.store import scales
 
-    steps = scales.grid(4.0)
     e = np.zeros(shape, np.uint8)
-    lo, step = scales.values(steps, e, e.view(np.int8), np.zeros((3, 1, 8), np.int8) if k else None)
-    assert np.array_equal(lo, scales.dither(shape, k)) and (step == 4).all()
-    assert len(np.unique(lo)) == (3 * 8 if k else 3 * 37)
+    lo, step = scales.values(scales.grid(4.0), e, e.view(np.int8), np.zeros((3, 1, 8), np.int8) if k else None)
+    own = (3, 1, 8) if k else shape
+    want = (np.arange(np.prod(own)) * 0.6180339887498949 % 1.0).astype(np.float32).reshape(own)
+    assert np.array_equal(lo, np.broadcast_to(want, shape)) and (step == 4).all()
 
 
 def test_pre_rope_k_is_rotated_to_its_new_place_when_fused(real_chunk, smol_runner):
