@@ -111,9 +111,7 @@ class KVCache:
             if scale is None:
                 dst[:, :, :n] = src[:, :, :n]
             else:
-                q, s = kernels.quantize_int8(src[:, :, :n].flatten(0, 1))  # (L·Hkv, n, hd)
-                dst[:, :, :n] = q.unflatten(0, dst.shape[:2])
-                scale[:, :, :n] = s.unflatten(0, dst.shape[:2])
+                kernels.quantize_int8_into(src, dst, scale, n)  # rows 0..n of (L, Hkv, capacity, hd)
         out.length, out.reweight = n, self.reweight
         return out
 

@@ -121,6 +121,19 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return reference.quantize_int8(x)
 
 
+def quantize_int8_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, n: int) -> None:
+    """`quantize_int8` of rows 0..n of x (L, Hkv, capacity, hd) into those of q (same shape) int8 and scale
+    (L, Hkv, capacity) float32. One compiled pass for contiguous float32 on the CPU: compacting a fused cache of
+    2.5K rows took torch ~100 ms here (six passes)."""
+    if x.is_cuda or x.dtype != torch.float32 or not (x.is_contiguous() and q.is_contiguous() and scale.is_contiguous()):
+        rows, scales = quantize_int8(x[:, :, :n])
+        q[:, :, :n], scale[:, :, :n] = rows, scales
+        return
+    from . import cpu_int8
+
+    cpu_int8.quantize_into(x, q, scale, n)
+
+
 def write_int8_(q: torch.Tensor, scale: torch.Tensor, new: torch.Tensor, first: int) -> None:
     """Rows first.. of a compact layer ← `quantize_int8` of new (n, Hkv, hd): q (Hkv, capacity, hd) int8,
     scale (Hkv, capacity) float32. One compiled pass for float32 rows on CPU: a decode step writes one row a

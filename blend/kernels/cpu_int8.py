@@ -19,7 +19,7 @@ import numba
 import numpy as np
 import torch
 
-from .cpu_int8_loops import attend, quantize_rows, write_rows
+from .cpu_int8_loops import attend, quantize_all, quantize_rows, write_rows
 
 BLOCK = 1024  # keys per parallel task
 PARALLEL_FROM = 1 << 15  # key × K/V-head reads (~1 ms) below which a call runs on one core: TBB wakes too slowly
@@ -105,6 +105,13 @@ def write_rows_(q: torch.Tensor, scale: torch.Tensor, new: torch.Tensor, first: 
     quantized as `reference.quantize_int8` does."""
     assert q.dtype == torch.int8 and scale.dtype == new.dtype == torch.float32
     quantize_rows(new.numpy(), q.numpy(), scale.numpy(), first)
+
+
+def quantize_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, n: int) -> None:
+    """Rows 0..n of x (L, Hkv, capacity, hd) float32 → of q (same shape) int8 and scale (L, Hkv, capacity)
+    float32, as `reference.quantize_int8`; each tensor contiguous (its rows then load in vector lanes)."""
+    numba.set_num_threads(cpu_threads.cores())
+    quantize_all(x.numpy(), q.numpy(), scale.numpy(), n)
 
 
 def _layer(x: torch.Tensor) -> tuple[int, int]:

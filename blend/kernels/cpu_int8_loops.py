@@ -1,4 +1,4 @@
-"""The compiled code of `cpu_int8`: `quantize_rows`, the int8 cache's write (`write_rows`: at a step's
+"""The compiled code of `cpu_int8`: `quantize_rows` and `quantize_all`, the int8 cache's write (`write_rows`: at a step's
 addresses), and the attention: `attend`, the parallel driver, and its loops over one block of keys of one K/V head, written so LLVM vectorizes them: widen eight int8 rows into float32 once,
 then reuse each loaded query (scores) or accumulator (values) eight times; the softmax's max in 16 lanes
 and its exp into a buffer of its own (in place, LLVM's overlap check runs the scalar loop). One file for
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
@@ -84,21 +85,54 @@ def exp_into(x, out, bits):  # pragma: no cover — compiled
         out[t] *= two[t]
 
 
-@numba.njit(cache=True)  # no fastmath: x / scale must round as torch's division does
+@intrinsic
+def _as_float32(typingctx, bits):
+    """int32 bits → the float32 they spell."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+@numba.njit(inline="always")
+def _amax(x):  # pragma: no cover — compiled
+    """max |x| of x (hd,) f32 (not NaN), as the largest of the magnitudes' bits: an integer max vectorizes, a
+    float one did not (LLVM kept its NaN order), and non-negative floats order as their bits do."""
+    bits = x.view(np.int32)
+    top = 0
+    for d in range(bits.shape[0]):
+        top = max(top, bits[d] & 0x7FFFFFFF)
+    return _as_float32(np.int32(top))
+
+
+@numba.njit(fastmath={"nnan", "ninf", "nsz"}, cache=True)  # exact arithmetic: x / step rounds as torch's division
+def _quantize_row(x, q):  # pragma: no cover — compiled
+    """x (hd,) f32 → q (hd,) int8 and its scale, exactly as `reference.quantize_int8`: scale amax / 127, q the
+    nearest (ties to even) of x / max(scale, 1e-30) in ±127."""
+    scale = _amax(x) / np.float32(127)
+    step = max(scale, np.float32(1e-30))
+    for d in range(x.shape[0]):
+        q[d] = np.int8(min(max(np.rint(x[d] / step), np.float32(-127)), np.float32(127)))
+    return scale
+
+
+@numba.njit(cache=True)
 def quantize_rows(x, q, s, first):  # pragma: no cover — compiled
-    """x (n, Hkv, hd) f32 → rows first.. of q (Hkv, capacity, hd) int8 and s (Hkv, capacity) f32, exactly as
-    `reference.quantize_int8`: scale amax / 127, q the nearest (ties to even) of x / max(scale, 1e-30) in ±127."""
+    """x (n, Hkv, hd) f32 → rows first.. of q (Hkv, capacity, hd) int8 and s (Hkv, capacity) f32 (`_quantize_row`)."""
     n, hkv, hd = x.shape
     for r in range(n):
         for j in range(hkv):
-            top = np.float32(0)
-            for d in range(hd):
-                top = max(top, abs(x[r, j, d]))
-            scale = top / np.float32(127)
-            s[j, first + r] = scale
-            step = max(scale, np.float32(1e-30))
-            for d in range(hd):
-                q[j, first + r, d] = np.int8(min(max(np.rint(x[r, j, d] / step), np.float32(-127)), np.float32(127)))
+            s[j, first + r] = _quantize_row(x[r, j], q[j, first + r])
+
+
+@numba.njit(parallel=True, cache=True)
+def quantize_all(x, q, s, n):  # pragma: no cover — compiled
+    """Rows 0..n of x (L, Hkv, capacity, hd) f32 → of q (L, Hkv, capacity, hd) int8 and s (L, Hkv, capacity) f32
+    (`_quantize_row`), each contiguous: a whole cache in one pass (torch took six over it), layers in parallel."""
+    for l in numba.prange(x.shape[0]):
+        for j in range(x.shape[1]):
+            for t in range(n):
+                s[l, j, t] = _quantize_row(x[l, j, t], q[l, j, t])
 
 
 @numba.njit(fastmath=True, inline="always")

@@ -283,6 +283,24 @@ def test_cpu_int8_cache_write_is_the_reference_quantization_bit_for_bit():
     assert not q[:, :7].any() and not q[:, 13:].any() and (s[:, :7] == -1).all() and (s[:, 13:] == -1).all()
 
 
+def test_compacting_a_whole_cache_to_int8_is_the_reference_quantization_bit_for_bit():
+    """`quantize_int8_into` (a fused cache compacted for decoding: every layer, head and row in one compiled
+    pass) against `reference.quantize_int8`: rows of very different sizes, an all-zero row, a -0.0, exact half
+    steps, a row whose largest magnitude is negative, and nothing written past row n."""
+    from blend import kernels
+
+    x = torch.randn(2, 3, 9, 64) * torch.logspace(-3, 2, 9)[:, None]
+    x[0, 1, 2] = 0
+    x[1, 2, 3, 5] = -0.0
+    x[1, 0, 4] = torch.arange(64) - 31.5  # scale exactly 1 (amax 127 below): every value a tie
+    x[1, 0, 4, 0] = -127
+    q, s = torch.zeros(2, 3, 9, 64, dtype=torch.int8), torch.full((2, 3, 9), -1.0)
+    kernels.quantize_int8_into(x, q, s, 7)
+    ref_q, ref_s = reference.quantize_int8(x[:, :, :7])
+    assert torch.equal(q[:, :, :7], ref_q) and torch.equal(s[:, :, :7], ref_s)
+    assert not q[:, :, 7:].any() and (s[:, :, 7:] == -1).all()
+
+
 def test_cpu_int8_exp_matches_libm_where_softmax_uses_it():
     """The vectorized exp of the softmax: within a few float32 ulps of exp over the shifted scores' range."""
     import numpy as np
