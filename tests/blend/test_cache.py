@@ -104,3 +104,19 @@ def test_ape_decodes_over_an_int8_cache_within_its_bound(smol_runner):
     ref, ours = _step(smol_runner, fused.cache, token), _step(smol_runner, small, token)
     kl = torch.nn.functional.kl_div(ours.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum")
     assert 0 < float(kl) < KL_BOUND[torch.int8], float(kl)
+
+
+def test_a_chunk_prefilled_outside_inference_mode_may_reuse_a_spare_cache_made_inside_it(smol_runner):
+    """`compute_chunk` behind a prefix takes a working cache from the runner's spares; one released under
+    inference mode (a rerank's or a fused prefill's) is an inference tensor, which torch refuses to write
+    outside it. `eval --rerank` hit that with a traceback; the chunk now computes the same either way."""
+    from blend import compute_chunk, compute_prefix
+
+    g = torch.Generator().manual_seed(3)
+    prefix = compute_prefix(smol_runner, torch.randint(10, 20000, (12,), generator=g))
+    ids = torch.randint(10, 20000, (30,), generator=g)
+    with torch.inference_mode():
+        want = compute_chunk(smol_runner, ids, prefix)
+        smol_runner.release(smol_runner.new_cache(len(prefix) + len(ids)))  # an inference-mode spare that fits
+    got = compute_chunk(smol_runner, ids, prefix)
+    assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)

@@ -58,6 +58,25 @@ def test_eval_writes_valid_results_and_full_recompute_matches_full(tmp_path, tin
     assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_eval_with_hybrid_retrieval_and_the_reranker_runs_and_reorders_by_likelihood(tmp_path, tiny, smollm):
+    """`eval --retrieval hybrid --rerank N` end to end: the passages retrieved over the whole file, their chunk KV
+    computed, reordered by the question's likelihood, then every mode over the top-k (its first real run
+    crashed on a spare cache; test_cache holds that case)."""
+    from ragcache.evaluation.evaluate import evaluate
+    from ragcache.service import RagCache
+
+    service = RagCache(Settings(home=tmp_path / "home", model=str(smollm.path), ape_factor=1.0))
+    cfg = EvalConfig(tiny, modes=["full", "cacheblend"], ratios=[1.0], top_k=2, max_new_tokens=4, retrieval="hybrid",
+                     rerank=3, ape=[])
+    try:
+        res = evaluate(service, cfg, progress=False)
+    finally:
+        service.close()
+    assert res["n"] == 2 and res["retrieval"] == "hybrid+rerank@3"
+    exact = res["modes"]["cacheblend@1"]  # the passages the reranker chose, recomputed whole: full's answer
+    assert exact["top1_agree"] == 1 and exact["kl_tf"] < 1e-6
+
+
 def test_calibrate_stores_the_fastest_mode_within_the_target(tmp_path, tiny, smollm):
     from ragcache.evaluation.calibrate import calibrate
     from ragcache.meta import ModelDefault
