@@ -112,7 +112,7 @@ def place_best(x, top, steps, clip, centers, e, m, q):  # pragma: no cover — c
     ftop, last, cands = np.float32(top), steps.shape[0] - 1, clip.shape[0]
     fits = True
     lo, s, k = np.empty(cands, np.float32), np.empty(cands, np.float32), np.empty(cands, np.float32)
-    code, err = np.empty(cands, np.int64), np.empty(cands, np.float32)
+    code, err, ok = np.empty(cands, np.int64), np.empty(cands, np.float32), np.empty(cands, np.bool_)
     for a in range(n_a):
         for b in range(n_b):
             row, center, d = x[a, b], centers[a, b], _dither(a * n_b + b)
@@ -120,15 +120,19 @@ def place_best(x, top, steps, clip, centers, e, m, q):  # pragma: no cover — c
             mid = (lo0 + hi0) / np.float32(2)
             for c in range(cands):
                 half = (hi0 - lo0) * clip[c] / np.float32(2)
-                code[c] = min(np.searchsorted(steps, ((mid + half) - (mid - half)) / ftop), last)
+                low = mid - half
+                code[c] = min(np.searchsorted(steps, ((mid + half) - low) / ftop), last)
                 s[c] = steps[code[c]]
-                k[c] = np.rint(np.float32(4) * ((mid - half) - center) / s[c] - d)
-                lo[c] = _lo(center, min(max(k[c], np.float32(-128)), np.float32(127)), d, s[c])
-            for c in range(cands if cands > 1 else 0):
-                err[c] = _squared_error(row, lo[c], s[c], ftop)
-            best = np.argmin(err) if cands > 1 else 0
-            fits = fits and -128 <= k[best] <= 127
-            e[a, b], m[a, b] = code[best], np.int8(min(max(k[best], np.float32(-128)), np.float32(127)))
+                place = np.rint(np.float32(4) * (low - center) / s[c] - d)
+                ok[c], k[c] = -128 <= place <= 127, min(max(place, np.float32(-128)), np.float32(127))
+                lo[c] = _lo(center, k[c], d, s[c])
+            best = 0
+            if cands > 1:  # V's groups have one candidate: nothing to score
+                for c in range(cands):
+                    err[c] = _squared_error(row, lo[c], s[c], ftop)
+                best = np.argmin(err)
+            fits = fits and ok[best]
+            e[a, b], m[a, b] = code[best], np.int8(k[best])
             _symbols(row, lo[best], s[best], ftop, q[a, b])
     return fits
 
