@@ -51,7 +51,8 @@ class GenerateRequest(Strict):
     ignore_eos: bool = Field(default=False, description="decode max_tokens tokens whatever the model says")
     retrieval: Retrieval | None = Field(default=None, description="dense, bm25 or hybrid; default RAGCACHE_RETRIEVAL")
     rerank: int | None = Field(default=None, ge=0, le=64,
-                               description="rerank this many candidates by query likelihood on their cached KV")
+                               description="rerank this many candidates on their cached KV (by the server's "
+                                           "RAGCACHE_RERANKER: attention, or query likelihood)")
 
 
 class Chunk(BaseModel):

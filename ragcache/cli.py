@@ -78,7 +78,7 @@ def _add_eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retrieval", choices=["given", *CHOICES["retrieval"]], default="given",
                    help="given: each question's own passages; else retrieve over all the file's passages")
     p.add_argument("--rerank", type=int, default=0,
-                   help="with --retrieval: rerank this many candidates by query likelihood on their chunk KV")
+                   help="with --retrieval: rerank this many candidates on their chunk KV (by RAGCACHE_RERANKER)")
     p.add_argument("--chunk-prefill", choices=CHOICES["chunk_prefill"], default=None,
                    help="default: the RAGCACHE_CHUNK_PREFILL setting (prefixed)")
     p.add_argument("--kv-dtype", choices=CHOICES["kv_dtype"], default="auto")
@@ -180,7 +180,7 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     a.add_argument("--json", action="store_true", help="print the whole result as JSON")
     a.add_argument("--retrieval", choices=CHOICES["retrieval"], default=None, help="default: RAGCACHE_RETRIEVAL")
     a.add_argument("--rerank", type=int, default=None,
-                   help="rerank this many candidates by query likelihood on their cached KV (RAGCACHE_RERANK)")
+                   help="rerank this many candidates on their cached KV (RAGCACHE_RERANK, by RAGCACHE_RERANKER)")
     a.set_defaults(func=commands.ask)
 
     ev = sub.add_parser("eval", help="quality vs latency of every mode against full prefill")

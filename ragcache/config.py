@@ -19,6 +19,7 @@ CHOICES = {
     "chunk_prefill": ("prefixed", "alone"),
     "index_kind": ("flat", "ivf", "hnsw"),
     "retrieval": ("dense", "bm25", "hybrid"),
+    "reranker": ("attention", "likelihood"),
     "mode": MODES,
     "eviction": ("gdsf", "lru"),
     "write_policy": ("write-through", "write-back"),
@@ -71,7 +72,8 @@ class Settings(BaseSettings):
     chunk_prefill: str = "prefixed"  # prefixed (behind the system prompt: measured better) | alone
     index_kind: str = "flat"  # flat | ivf | hnsw
     retrieval: str = "hybrid"  # dense (FAISS) | bm25 | hybrid (both, rank-fused: measured best)
-    rerank: int = 0  # > 0: score this many retrieved candidates by query likelihood against their cached KV
+    rerank: int = 0  # > 0: score this many retrieved candidates against their cached KV, keep the best top_k
+    reranker: str = "attention"  # attention (the question's attention over a null question's) | likelihood (UPR)
     precompute_batch: int = 8
     lease_seconds: int = 600  # a claimed chunk goes back to the pool if its worker is silent this long
     precompute_attempts: int = 3  # a chunk whose prefill fails this often stays failed (--retry-failed)
@@ -123,8 +125,8 @@ class Settings(BaseSettings):
     def db_url(self) -> str:
         return self.database_url or f"sqlite:///{self.home / 'ragcache.db'}"
 
-    @field_validator(*"dtype kv_dtype kv_cache_dtype decode_weights chunk_prefill index_kind retrieval mode eviction "
-                      "write_policy admission".split())
+    @field_validator(*"dtype kv_dtype kv_cache_dtype decode_weights chunk_prefill index_kind retrieval reranker mode "
+                      "eviction write_policy admission".split())
     @classmethod
     def _choice(cls, v: str, info: ValidationInfo) -> str:
         allowed = CHOICES[info.field_name]

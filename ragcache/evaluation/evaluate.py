@@ -57,7 +57,7 @@ class EvalConfig:
     blendq_ratios: list[float] = field(default_factory=lambda: [0.12])
     top_k: int = 4
     retrieval: str = "given"  # given | dense | bm25 | hybrid (retrieve.py)
-    rerank: int = 0  # with retrieval: candidates reranked by query likelihood
+    rerank: int = 0  # with retrieval: candidates reranked on their chunk KV (by RAGCACHE_RERANKER)
     chunk_prefill: str = "alone"  # alone | prefixed
     kv_dtype: str = "auto"
     codec: str = "raw"  # RAGCACHE_KV_CODEC: every chunk KV goes through its encode and decode, as a disk hit would
@@ -220,7 +220,7 @@ def evaluate(service, cfg: EvalConfig, progress: bool = True) -> dict:
             bar.close()
         passages.store.close()
     return {"model": service.model.name, "dataset": str(cfg.dataset), "n": len(per_question), "top_k": cfg.top_k,
-            "retrieval": cfg.retrieval + (f"+rerank@{cfg.rerank}" if cfg.rerank else ""),
+            "retrieval": cfg.retrieval + (f"+rerank@{cfg.rerank}:{service.settings.reranker}" if cfg.rerank else ""),
             "chunk_prefill": cfg.chunk_prefill, "tier": cfg.tier,
             "knobs": {"probe_epic_k": cfg.probe_epic_k, "a3_window": cfg.a3_window},  # the rest are in the labels
             "kv_dtype": passages.kv_dtype, "codec": cfg.codec,

@@ -2,14 +2,14 @@
 
 `given` takes a question's own first top-k passages. `dense`, `bm25` and `hybrid` retrieve over every
 passage of the file as the server does (FAISS, BM25, their rank fusion); with `rerank` N the hybrid
-(or other) top N are reordered by query likelihood against their chunk KV, which the evaluation
-computes and keeps in its tier anyway, and the top-k of that order are the question's passages.
+(or other) top N are reordered by the deployment's reranker (`RAGCACHE_RERANKER`) on their chunk KV, which
+the evaluation computes and keeps in its tier anyway, and the top-k of that order are the question's passages.
 """
 from __future__ import annotations
 
 import torch
 
-from blend.likelihood import likelihood_ids, question_likelihood
+from blend.relevance import relevance
 
 from ..corpus.retrieval import DEPTH, RETRIEVERS
 from ..errors import UserError
@@ -46,8 +46,8 @@ def retriever(service, cfg, data: list[dict], root, passages):
             return found[: cfg.top_k]
         chunks = passages.load(passages.ensure(found))
         behind = service.prefix if cfg.chunk_prefill == "prefixed" else None
-        scores = question_likelihood(service.runner, behind, chunks, *likelihood_ids(service.tokenizer,
-                                                                                     item["question"]))
+        scores = relevance(service.runner, behind, chunks, service.tokenizer, service.frame.tail, item["question"],
+                           service.settings.reranker)
         return [found[i] for i in torch.argsort(scores, descending=True, stable=True)[: cfg.top_k].tolist()]
 
     return retrieve

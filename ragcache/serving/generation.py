@@ -54,7 +54,7 @@ class Ask:
     explain: bool = False
     ignore_eos: bool = False
     retrieval: str | None = None  # dense | bm25 | hybrid; None: RAGCACHE_RETRIEVAL
-    rerank: int | None = None  # candidates reranked by query likelihood (0: none); None: RAGCACHE_RERANK
+    rerank: int | None = None  # candidates reranked on their cached KV (0: none); None: RAGCACHE_RERANK
     tenant: str | None = None  # whose share it counts against (the caller's key); None: its namespace
     target_kl: float | None = None  # auto, adaptive: the calibrated point within this KL of full prefill
 

@@ -58,9 +58,9 @@ def test_eval_writes_valid_results_and_full_recompute_matches_full(tmp_path, tin
     assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_eval_with_hybrid_retrieval_and_the_reranker_runs_and_reorders_by_likelihood(tmp_path, tiny, smollm):
+def test_eval_with_hybrid_retrieval_and_the_reranker_runs_and_reorders(tmp_path, tiny, smollm):
     """`eval --retrieval hybrid --rerank N` end to end: the passages retrieved over the whole file, their chunk KV
-    computed, reordered by the question's likelihood, then every mode over the top-k (its first real run
+    computed, reordered by the deployment's reranker (attention), then every mode over the top-k (its first real run
     crashed on a spare cache; test_cache holds that case)."""
     from ragcache.evaluation.evaluate import evaluate
     from ragcache.service import RagCache
@@ -72,7 +72,7 @@ def test_eval_with_hybrid_retrieval_and_the_reranker_runs_and_reorders_by_likeli
         res = evaluate(service, cfg, progress=False)
     finally:
         service.close()
-    assert res["n"] == 2 and res["retrieval"] == "hybrid+rerank@3"
+    assert res["n"] == 2 and res["retrieval"] == "hybrid+rerank@3:attention"
     exact = res["modes"]["cacheblend@1"]  # the passages the reranker chose, recomputed whole: full's answer
     assert exact["top1_agree"] == 1 and exact["kl_tf"] < 1e-6
 
