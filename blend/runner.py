@@ -106,10 +106,12 @@ class Runner:
         self._spare_lock = threading.Lock()
 
     def new_cache(self, capacity: int) -> KVCache:
-        """An empty cache for `capacity` rows: a released one of fitting size, else a new one."""
+        """An empty cache for `capacity` rows: a released one of fitting size, else a new one. A spare made
+        under inference mode goes only to a caller inside it: torch refuses writes to it anywhere else."""
+        writable = torch.is_inference_mode_enabled()
         with self._spare_lock:
             for i, spare in enumerate(self._spare):
-                if capacity <= spare.capacity <= 2 * capacity:
+                if capacity <= spare.capacity <= 2 * capacity and (writable or not spare.k.is_inference()):
                     return self._spare.pop(i)
         return KVCache.empty(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
 

@@ -120,3 +120,14 @@ def test_a_chunk_prefilled_outside_inference_mode_may_reuse_a_spare_cache_made_i
         smol_runner.release(smol_runner.new_cache(len(prefix) + len(ids)))  # an inference-mode spare that fits
     got = compute_chunk(smol_runner, ids, prefix)
     assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+
+
+def test_a_spare_made_under_inference_mode_is_not_handed_to_a_caller_outside_it(smol_runner):
+    """Any working cache taken outside inference mode must be writable there, whichever spares are pooled."""
+    with torch.inference_mode():
+        smol_runner.release(smol_runner.new_cache(24))
+    cache, _ = _prefilled(smol_runner, _prompt(smol_runner, 20, 0), 4)  # writes into a cache of 24 rows
+    assert not cache.k.is_inference()
+    smol_runner.release(cache)
+    with torch.inference_mode():  # the inference spare still serves a caller inside it
+        assert smol_runner.new_cache(24).k.is_inference()
