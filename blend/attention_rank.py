@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
 from .chunk import ChunkKV, PrefixKV
 from .rope import delta_cos_sin
 from .runner import Runner
-from . import kernels
 
 LAYERS = (1 / 3, 2 / 3)  # the middle third of the layers, chosen on dev questions 40-49 (BENCHMARKS.md)
 
@@ -35,6 +35,8 @@ def attention_scores(runner: Runner, prefix: PrefixKV | None, chunks: list[Chunk
                      null_ids: torch.Tensor, span: tuple[float, float] = LAYERS) -> torch.Tensor:
     """chunks: each computed behind `prefix` (or alone, at 0, with prefix None); question_ids (m,), null_ids
     (u,) → (B,) float32: the question's attention mass on each chunk over the null question's."""
+    if not chunks:
+        return torch.empty(0)
     start = len(prefix) if prefix is not None else 0
     for c in chunks:
         assert c.k is not None and c.start == start and c.context == (prefix.key if prefix else ""), \
@@ -43,6 +45,7 @@ def attention_scores(runner: Runner, prefix: PrefixKV | None, chunks: list[Chunk
     m, u = question_ids.numel(), null_ids.numel()
     at = start + max(len(c) for c in chunks)  # both questions' first position
     pos = torch.cat([torch.arange(at, at + m), torch.arange(at, at + u)]).to(runner.device)
+    runner._check_positions(pos)
     cos, sin = runner.rope(pos)
     own = _own_mask(m, u, runner.device)  # (m + u, m + u): each question causal among its own rows
     x = runner.embed[torch.cat([question_ids, null_ids]).to(runner.device)]  # (m + u, D)
