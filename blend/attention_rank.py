@@ -56,11 +56,12 @@ def attention_scores(runner: Runner, prefix: PrefixKV | None, chunks: list[Chunk
         keys = ([(prefix.k[l], prefix.v[l])] if prefix is not None else []) + \
             [_kv(c, l, r, q.dtype) for c, r in zip(chunks, rotations)]  # each (Hkv, n, hd)
         attn, shares = _attend(q, keys, k.transpose(0, 1), v.transpose(0, 1), own, runner.scale,
-                               first=1 if prefix is not None else 0)
-        if l >= lo:
+                               first=1 if prefix is not None else 0, measure=l >= lo)
+        if shares is not None:
             mass[0] += shares[:m].sum(0)
             mass[1] += shares[m:].sum(0)
-        x = runner._finish(runner.w, l, x, attn)
+        if l + 1 < hi:  # the last layer's output feeds nothing
+            x = runner._finish(runner.w, l, x, attn)
     lift = (mass[0] / m) / (mass[1] / u).clamp(min=torch.finfo(torch.float32).tiny)  # per row: 1 is a null question's
     return lift.cpu()
 
@@ -92,10 +93,10 @@ def _kv(chunk: ChunkKV, l: int, rotation, dtype: torch.dtype) -> tuple[torch.Ten
 
 
 def _attend(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor]], k_own: torch.Tensor, v_own: torch.Tensor,
-            own: torch.Tensor, scale: float, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+            own: torch.Tensor, scale: float, first: int, measure: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q (r, H, hd) against the segments `keys` (each (Hkv, n, hd)) and the rows' own K/V (Hkv, r, hd) under
-    `own` → attention output (r, H, hd), and (r, C) float32: each row's softmax over the candidates' keys
-    (segments from `first` on) summed per candidate over heads."""
+    `own` → attention output (r, H, hd), and with `measure` (r, C) float32: each row's softmax over the
+    candidates' keys (segments from `first` on) summed per candidate over heads."""
     r, h, hd = q.shape
     hkv = k_own.shape[0]
     g = h // hkv
@@ -108,6 +109,8 @@ def _attend(q: torch.Tensor, keys: list[tuple[torch.Tensor, torch.Tensor]], k_ow
     s[..., -r:].masked_fill_(~own.repeat(g, 1)[None], float("-inf"))
     p = torch.softmax(s, -1)
     out = torch.bmm(p, v_all).view(hkv, g, r, hd).permute(2, 0, 1, 3).reshape(r, h, hd).to(q.dtype)
+    if not measure:
+        return out, None
     parts = p.split(sizes, -1)
     cand = torch.stack([pp.sum(-1) for pp in parts[first:-1]], -1)  # (Hkv, g·r, C)
     cand = cand / cand.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)

@@ -71,7 +71,6 @@ def compute_prefix(runner: Runner, token_ids: torch.Tensor) -> PrefixKV:
     return PrefixKV(token_ids.cpu(), pre.k, pre.v)
 
 
-@torch.inference_mode()  # its working cache may be a spare made under inference mode: writable only inside it
 def compute_chunk(runner: Runner, token_ids: torch.Tensor, prefix: PrefixKV | None = None) -> ChunkKV:
     """Prefill a chunk alone, or behind `prefix` (reusing its KV) keeping only the chunk's rows."""
     token_ids = token_ids.cpu()
