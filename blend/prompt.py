@@ -8,6 +8,7 @@ import torch
 _SENTINEL = "\x00RAGCACHE-CONTENT\x00"
 _SENTINEL_END = "\x00RAGCACHE-CONTENT-END\x00"
 QUESTION = "Question: "  # what stands between the passages and the first user turn
+SEPARATOR = "\n\n"  # what ends every passage in a prompt
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
 

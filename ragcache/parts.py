@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from blend import ALONE, ChunkKV, Runner, compute_chunk, compute_prefix, load_model
-from blend.prompt import as_ids, chat_frame, stop_token_ids
+from blend import ALONE, ChunkKV, PrefixKV, Runner, compute_chunk, compute_prefix, load_model
+from blend.prompt import SEPARATOR, as_ids, chat_frame, encode, stop_token_ids
 
 from .config import Settings
 from .database import Database
@@ -117,9 +117,22 @@ class Parts:
         d = self.settings.kv_cache_dtype
         return self.model.dtype if d == "auto" else getattr(torch, d)
 
+    @part
+    def lead(self) -> PrefixKV:
+        """The system prompt and RAGCACHE_CHUNK_LEAD after it, as a passage ends: what chunks are computed behind
+        with chunk_prefill=lead (their first row then sits where the second passage of a prompt does)."""
+        lead = as_ids(encode(self.tokenizer, self.settings.chunk_lead + SEPARATOR))
+        return compute_prefix(self.runner, torch.cat([self.prefix.token_ids, lead]))
+
+    def chunk_prefix(self, how: str | None = None) -> PrefixKV | None:
+        """What chunk KV is computed behind (`how`: a chunk_prefill choice, the setting's by default)."""
+        how = how or self.settings.chunk_prefill
+        return None if how == "alone" else self.lead if how == "lead" else self.prefix
+
     @property
     def chunk_context(self) -> str:
-        return self.prefix.key if self.settings.chunk_prefill == "prefixed" else ALONE
+        behind = self.chunk_prefix()
+        return behind.key if behind is not None else ALONE
 
     def kv_key_of(self, token_ids: torch.Tensor, namespace: str) -> str:
         salt = self._salts.get(namespace)
@@ -140,8 +153,7 @@ class Parts:
         return encode_kv(kv, self.kv_dtype, self.kv_codec, self.runner.inv_freq)
 
     def compute_chunk_kv(self, token_ids: torch.Tensor) -> ChunkKV:
-        prefixed = self.settings.chunk_prefill == "prefixed"
-        return compute_chunk(self.runner, token_ids, self.prefix if prefixed else None)
+        return compute_chunk(self.runner, token_ids, self.chunk_prefix())
 
     def prefill_for_store(self, token_ids: torch.Tensor):
         """(ChunkKV, its stored form) with the measured cost of making it: what evicting it costs."""

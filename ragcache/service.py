@@ -45,7 +45,7 @@ class RagCache(Parts):
 
     def warm(self, namespace: str | None = "default") -> None:
         """Load every part a request touches, so that request timings hold no one-time work."""
-        _ = self.runner, self.prefix, self.stops, self.store, self.embedder, self.index
+        _ = self.runner, self.prefix, self.chunk_prefix(), self.stops, self.store, self.embedder, self.index
         warm_decode(self.runner, self.kv_cache_dtype)
         if self.settings.retrieval != "dense":
             _ = self.lexical

@@ -24,10 +24,9 @@ from blend import (A3, Adaptive, BlendQ, CacheBlend, Epic, Full, Prefix, Probe, 
 from blend.decode import Sampling, decode
 from blend.labels import label
 from blend.reweight import Reweight, Reweighted
-from blend.prompt import as_ids, encode
+from blend.prompt import SEPARATOR, as_ids, encode
 
 from ..config import EVAL_MODES
-from ..corpus.chunking import SEPARATOR
 from ..database import Database
 from ..errors import UserError
 from ..store import TieredStore, decode as decode_kv, encode as encode_kv, kv_key
@@ -58,7 +57,7 @@ class EvalConfig:
     top_k: int = 4
     retrieval: str = "given"  # given | dense | bm25 | hybrid (retrieve.py)
     rerank: int = 0  # with retrieval: candidates reranked on their chunk KV (by RAGCACHE_RERANKER)
-    chunk_prefill: str = "alone"  # alone | prefixed
+    chunk_prefill: str = "alone"  # alone | prefixed | lead
     kv_dtype: str = "auto"
     codec: str = "raw"  # RAGCACHE_KV_CODEC: every chunk KV goes through its encode and decode, as a disk hit would
     tier: str = "cpu"  # cpu | disk
@@ -123,7 +122,8 @@ class _Passages:
         room = 1 << 40 if cfg.tier == "cpu" else 0
         self.store = TieredStore(Database(f"sqlite:///{root / 'eval.db'}"), [MemoryTier("cpu", "cpu", room)],
                                  [DiskTier(root / "kv", 1 << 40)])
-        self.context = service.prefix.key if cfg.chunk_prefill == "prefixed" else ""
+        self.behind = service.chunk_prefix(cfg.chunk_prefill)
+        self.context = self.behind.key if self.behind is not None else ""
         self.token_ids: dict[str, torch.Tensor] = {}
 
     def ids(self, text: str) -> torch.Tensor:
@@ -139,8 +139,7 @@ class _Passages:
             key = self.key(ids)
             self.token_ids[key] = ids
             if not self.store.contains(key):
-                behind = self.service.prefix if self.cfg.chunk_prefill == "prefixed" else None
-                kv = compute_chunk(self.service.runner, ids, behind)
+                kv = compute_chunk(self.service.runner, ids, self.behind)
                 self.store.put(key, encode_kv(kv, self.kv_dtype, self.spec, self.service.runner.inv_freq))
             keys.append(key)
         return keys

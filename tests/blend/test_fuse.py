@@ -119,6 +119,28 @@ def test_single_chunk_at_offset_zero_reused_as_is_is_exact(smol_runner, parts):
     assert (res.logits - ref).abs().max() <= TOL
 
 
+def test_chunks_computed_behind_a_lead_passage_are_all_stale_and_recomputed_exactly(smol_runner, parts):
+    """RAGCACHE_CHUNK_PREFILL=lead: chunk KV computed behind the prefix and a passage the prompt never holds. No
+    chunk is exact where it lands (the first neither: its KV saw the lead), every one is re-rotated back over the
+    lead's length, and recomputing every row is still full prefill."""
+    prefix, texts, suffix = parts
+    tok = smol_runner.model.tokenizer
+    other = json.loads(DATA.read_text())[1]["ctxs"][0]["text"]  # another question's passage
+    lead = compute_prefix(smol_runner, torch.cat([prefix.token_ids, as_ids(encode(tok, other + "\n\n")[:100])]))
+    chunks = [compute_chunk(smol_runner, t, lead) for t in texts]
+    assert chunks[0].start == len(lead) > len(prefix) and chunks[0].context == lead.key != prefix.key
+    ids = torch.cat([prefix.token_ids, *texts, suffix])
+    want = smol_runner.prefill(ids).logits
+    for policy in (CacheBlend(ratio=1.0), Probe(ratio=1.0), Epic(k=1000)):
+        res = fuse_and_prefill(smol_runner, prefix, chunks, suffix, policy)
+        assert not any(res.layout.exact)
+        assert (res.logits - want).abs().max() <= TOL
+    reuse = fuse_and_prefill(smol_runner, prefix, chunks, suffix, Reuse())
+    plain = fuse_and_prefill(smol_runner, prefix, [compute_chunk(smol_runner, t, prefix) for t in texts], suffix,
+                             Reuse())
+    assert (reuse.logits - want).abs().max() > TOL and (reuse.logits - plain.logits).abs().max() > TOL
+
+
 @pytest.mark.parametrize("p,d", [(0, 37), (100, 2000), (3000, -1500)])
 def test_realigning_k_from_p_by_d_equals_k_computed_at_p_plus_d(smol_runner, parts, p, d):
     ids = parts[1][1][:50]

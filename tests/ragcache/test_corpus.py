@@ -217,6 +217,34 @@ def test_a_corpus_ingested_in_float32_serves_a_bfloat16_model(tmp_path, smollm):
     bf16.close()
 
 
+def test_chunks_precomputed_behind_the_lead_are_keyed_apart_and_served(tmp_path, smollm):
+    """RAGCACHE_CHUNK_PREFILL=lead: each chunk's KV is computed behind the system prompt and RAGCACHE_CHUNK_LEAD (the
+    rows of a prefill of all three), stored under a key of its own, and served from the store."""
+    import torch
+
+    from blend.prompt import as_ids, encode
+    from ragcache import RagCache, Settings
+    from ragcache.jobs.precompute import run_precompute
+
+    docs = [Document("a", "", "Short text about Rome."), Document("b", "", "Short text about Paris.")]
+    settings = Settings(home=tmp_path, model=str(smollm.path), chunk_prefill="lead", chunk_lead="The Lark\nA song.")
+    with RagCache(settings) as lead:
+        lead.corpus.ingest_documents(docs)
+    run_precompute(settings, progress=False)
+    with RagCache(settings) as lead, RagCache(settings.model_copy(update={"chunk_prefill": "prefixed"})) as plain:
+        behind = lead.chunk_prefix()
+        head = plain.prefix.token_ids
+        assert torch.equal(behind.token_ids, torch.cat([head, as_ids(encode(lead.tokenizer, "The Lark\nA song.\n\n"))]))
+        ids = as_ids(encode(lead.tokenizer, "Short text about Rome.\n\n"))
+        kv = lead.compute_chunk_kv(ids)
+        assert (kv.start, kv.context) == (len(behind), behind.key) and lead.chunk_context == behind.key
+        whole = lead.runner.prefill(torch.cat([behind.token_ids, ids]))
+        assert (kv.k - whole.k[:, :, len(behind):]).abs().max() <= 1e-3 * whole.k.abs().max()  # one pass or two
+        assert lead.kv_key_of(ids, "default") != plain.kv_key_of(ids, "default")
+        out = lead.generate("What is Paris?", top_k=2, max_new_tokens=2)
+        assert out["answer"] and "computed" not in {c["tier"] for c in out["chunks"]}  # precompute's KV, served
+
+
 class _Tokenizer:
     """The real tokenizer, with `during(n)` run at each of its calls (another writer, a meeting point)."""
 
