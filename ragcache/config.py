@@ -5,7 +5,7 @@ import os
 import re
 from pathlib import Path
 
-from pydantic import ValidationInfo, field_validator
+from pydantic import ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 EVAL_MODES = ("full", "reuse", "prefix", "cacheblend", "epic", "probe", "adaptive", "a3", "blendq")  # measurable against full
@@ -32,15 +32,6 @@ KV_CODEC = re.compile(r"raw|compact|compact-k([234])v([234])((?:[+-][kv]\d+:\d+)
                       r"(\+r)?(\+b)?")
 KV_CODEC_FORM = ("raw, compact or compact-kXvY[±kA:B][±vA:B][+Ln][+gG][+r][+b] (X, Y in 2..4, e.g. "
                  "compact-k3v3+k16:30+L1+g96+b)")
-# a made-up, neutral passage (nothing it says is in any corpus): what a chunk's KV is computed behind, with
-# RAGCACHE_CHUNK_PREFILL=lead, so that it has seen a passage before it as nearly every chunk in a prompt has
-DEFAULT_CHUNK_LEAD = (
-    "Lake Tessaly\nLake Tessaly is a freshwater lake in the northern uplands, fed by three small rivers and drained "
-    "by a single outlet to the east. It covers about twelve square kilometres and reaches a depth of forty metres "
-    "near its western shore. The villages around it have fished its waters since the medieval period, and a "
-    "narrow-gauge railway along the southern bank, opened in 1894, carried timber to the coast until it closed in "
-    "1961."
-)
 DEFAULT_SYSTEM_PROMPT = (
     "You will be asked a question after reading several passages. "
     "Answer it directly from the passages, in a few words. Do not repeat the question."
@@ -79,8 +70,9 @@ class Settings(BaseSettings):
     # corpus, retrieval, precompute
     chunk_tokens: int = 512
     chunk_prefill: str = "prefixed"  # prefixed (behind the system prompt: measured better) | lead (behind it and
-    # chunk_lead: KV that fits a place after another passage) | alone
-    chunk_lead: str = DEFAULT_CHUNK_LEAD  # lead: the passage every chunk is computed behind (never in a prompt)
+    # chunk_lead: KV that has seen a passage before it, as nearly every chunk in a prompt has) | alone
+    chunk_lead: str = ""  # lead: a passage of the corpus (its style and length; a made-up one measured no help),
+    # what every chunk is computed behind; never in a prompt
     index_kind: str = "flat"  # flat | ivf | hnsw
     retrieval: str = "hybrid"  # dense (FAISS) | bm25 | hybrid (both, rank-fused: measured best)
     rerank: int = 0  # > 0: score this many retrieved candidates against their cached KV, keep the best top_k
@@ -145,12 +137,13 @@ class Settings(BaseSettings):
             raise ValueError(f"{info.field_name} must be one of {', '.join(allowed)}")
         return v
 
-    @field_validator("chunk_lead")
-    @classmethod
-    def _lead(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("must hold a passage (it is what chunks are computed behind with chunk_prefill=lead)")
-        return v.strip()
+    @model_validator(mode="after")
+    def _lead(self):
+        self.chunk_lead = self.chunk_lead.strip()
+        if self.chunk_prefill == "lead" and not self.chunk_lead:
+            raise ValueError("chunk_prefill=lead needs chunk_lead: a passage of the corpus that chunks are computed "
+                             "behind (RAGCACHE_CHUNK_LEAD)")
+        return self
 
     @field_validator("kv_codec")
     @classmethod

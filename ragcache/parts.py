@@ -16,6 +16,7 @@ from blend.prompt import SEPARATOR, as_ids, chat_frame, encode, stop_token_ids
 
 from .config import Settings
 from .database import Database
+from .errors import UserError
 from .store import encode as encode_kv
 from .store import kv_key, open_store
 from .store.admission import Admission
@@ -121,6 +122,8 @@ class Parts:
     def lead(self) -> PrefixKV:
         """The system prompt and RAGCACHE_CHUNK_LEAD after it, as a passage ends: what chunks are computed behind
         with chunk_prefill=lead (their first row then sits where the second passage of a prompt does)."""
+        if not self.settings.chunk_lead:
+            raise UserError("chunk KV behind a lead passage needs RAGCACHE_CHUNK_LEAD: a passage of the corpus")
         lead = as_ids(encode(self.tokenizer, self.settings.chunk_lead + SEPARATOR))
         return compute_prefix(self.runner, torch.cat([self.prefix.token_ids, lead]))
 
