@@ -121,7 +121,8 @@ class Parts:
     @part
     def lead(self) -> PrefixKV:
         """The system prompt and RAGCACHE_CHUNK_LEAD after it, as a passage ends: what chunks are computed behind
-        with chunk_prefill=lead (their first row then sits where the second passage of a prompt does)."""
+        with chunk_prefill=lead, so that a chunk's KV has seen a passage before it, as every chunk but a prompt's
+        first has."""
         if not self.settings.chunk_lead:
             raise UserError("chunk KV behind a lead passage needs RAGCACHE_CHUNK_LEAD: a passage of the corpus")
         lead = as_ids(encode(self.tokenizer, self.settings.chunk_lead + SEPARATOR))

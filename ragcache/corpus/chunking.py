@@ -15,7 +15,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 
-from blend.prompt import SEPARATOR  # noqa: F401 — a chunk's text ends with it
+from blend.prompt import SEPARATOR  # a chunk's text ends with it
 
 MIN_TOKENS = 128  # a smaller chunk absorbs the subsections after it
 _SENTENCE_END = re.compile(r"[.!?…][\"')\]]*\s+")
