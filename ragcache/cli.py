@@ -220,8 +220,7 @@ def main(argv: list[str] | None = None, extend=None) -> int:
         settings = Settings(**overrides)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(map(str, err["loc"]))  # empty for a rule over several settings
-        print(f"ragcache: error: setting {where + ': ' if where else ''}{err['msg'].removeprefix('Value error, ')}",
+        print(f"ragcache: error: setting {'.'.join(map(str, err['loc']))}: {err['msg'].removeprefix('Value error, ')}",
               file=sys.stderr)
         return 2
     from blend.cores import claim_cores

@@ -111,11 +111,17 @@ def evaluate(args, settings) -> int:
     write_results(results, out)
     write_results(results, latest_dir(settings.home))
     print(f"{results['model']}, {results['dataset']}: n={results['n']}, top-k {results['top_k']} "
-          f"({results['retrieval']}), chunks {results['chunk_prefill']}, {results['kv_dtype']} KV ({results['codec']}) in the "
+          f"({results['retrieval']}), chunks {_behind(results)}, {results['kv_dtype']} KV ({results['codec']}) in the "
           f"{results['tier']} tier; running sequences keep {results['kv_cache_dtype']} KV")
     print(table(results))
     print(f"wrote {args.out}/results.json, results.csv, pareto.png")
     return 0
+
+
+def _behind(results: dict) -> str:
+    lead = results.get("lead")
+    return results["chunk_prefill"] + (f' (lead: "{" ".join(lead.split()[:8])} …", {len(lead.split())} words)'
+                                       if lead else "")
 
 
 def calibrate(args, settings) -> int:

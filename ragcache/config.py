@@ -5,7 +5,7 @@ import os
 import re
 from pathlib import Path
 
-from pydantic import ValidationInfo, field_validator, model_validator
+from pydantic import ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 EVAL_MODES = ("full", "reuse", "prefix", "cacheblend", "epic", "probe", "adaptive", "a3", "blendq")  # measurable against full
@@ -71,8 +71,8 @@ class Settings(BaseSettings):
     chunk_tokens: int = 512
     chunk_prefill: str = "prefixed"  # prefixed (behind the system prompt: measured better) | lead (behind it and
     # chunk_lead: KV that has seen a passage before it, as nearly every chunk in a prompt has) | alone
-    chunk_lead: str = ""  # lead: a passage of the corpus (its style and length; a made-up one measured no help),
-    # what every chunk is computed behind; never in a prompt
+    chunk_lead: str = ""  # lead: the passage every chunk is computed behind (never in a prompt); empty: each
+    # namespace's own, picked from its chunks (corpus/lead.py: a made-up or a short one measured no help)
     index_kind: str = "flat"  # flat | ivf | hnsw
     retrieval: str = "hybrid"  # dense (FAISS) | bm25 | hybrid (both, rank-fused: measured best)
     rerank: int = 0  # > 0: score this many retrieved candidates against their cached KV, keep the best top_k
@@ -137,13 +137,10 @@ class Settings(BaseSettings):
             raise ValueError(f"{info.field_name} must be one of {', '.join(allowed)}")
         return v
 
-    @model_validator(mode="after")
-    def _lead(self):
-        self.chunk_lead = self.chunk_lead.strip()
-        if self.chunk_prefill == "lead" and not self.chunk_lead:
-            raise ValueError("chunk_prefill=lead needs chunk_lead: a passage of the corpus that chunks are computed "
-                             "behind (RAGCACHE_CHUNK_LEAD)")
-        return self
+    @field_validator("chunk_lead")
+    @classmethod
+    def _lead(cls, v: str) -> str:
+        return v.strip()
 
     @field_validator("kv_codec")
     @classmethod

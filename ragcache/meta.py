@@ -5,7 +5,8 @@ precompute state; a changed document's new pieces `staged` beside the served one
 done, corpus/versions.py), kv_entries (one stored chunk KV, shared by every chunk with the same key),
 kv_copies and blob_stores (where each entry's blobs are: per host disk, per deployment Redis),
 pins (who pins which entry, within a quota), jobs (precompute runs), model_defaults (what
-`calibrate` measured and chose), index_versions (bumped whenever
+`calibrate` measured and chose), leads (the passage a namespace's chunks are computed behind, picked once
+from its own chunks: chunk_prefill=lead), index_versions (bumped whenever
 a namespace's set of retrievable chunks changes: a long-lived process re-syncs its FAISS index
 when the number moves, whoever made the change). The engine, sessions and schema upgrades: database.py.
 """
@@ -150,6 +151,14 @@ class IndexVersion(Base):
     __tablename__ = "index_versions"
     namespace: Mapped[str] = mapped_column(String(128), primary_key=True)
     version: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class Lead(Base):
+    __tablename__ = "leads"
+    namespace: Mapped[str] = mapped_column(String(128), primary_key=True)  # "": every namespace's (shared caching)
+    text: Mapped[str] = mapped_column(Text)
+    chunk_id: Mapped[int | None] = mapped_column(Integer, nullable=True)  # picked from (that chunk may be gone)
+    created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class ModelDefault(Base):

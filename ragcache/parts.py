@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from blend import ALONE, ChunkKV, PrefixKV, Runner, compute_chunk, compute_prefix, load_model
+from blend import ALONE, ChunkKV, PrefixKV, Runner, compute_chunk, compute_prefix, ids_key, load_model
 from blend.prompt import SEPARATOR, as_ids, chat_frame, encode, stop_token_ids
 
 from .config import Settings
@@ -50,6 +50,9 @@ class Parts:
         self.db = Database(self.settings.db_url)
         self._parts_lock = threading.RLock()
         self._salts: dict[str, str] = {}  # namespace → key salt; never changes once created
+        self._leads: dict[str, str] = {}  # namespace → its lead passage (chunk_prefill=lead); never changes either
+        self._lead_kv: dict[str, PrefixKV] = {}  # lead passage → the prefix KV chunks are computed behind
+        self._lead_keys: dict[str, str] = {}  # lead passage → that prefix's key, known without computing it
 
     def loaded(self, name: str) -> bool:
         return name in self.__dict__
@@ -118,31 +121,64 @@ class Parts:
         d = self.settings.kv_cache_dtype
         return self.model.dtype if d == "auto" else getattr(torch, d)
 
-    @part
-    def lead(self) -> PrefixKV:
-        """The system prompt and RAGCACHE_CHUNK_LEAD after it, as a passage ends: what chunks are computed behind
-        with chunk_prefill=lead, so that a chunk's KV has seen a passage before it, as every chunk but a prompt's
-        first has."""
-        if not self.settings.chunk_lead:
-            raise UserError("chunk KV behind a lead passage needs RAGCACHE_CHUNK_LEAD: a passage of the corpus")
-        lead = as_ids(encode(self.tokenizer, self.settings.chunk_lead + SEPARATOR))
-        return compute_prefix(self.runner, torch.cat([self.prefix.token_ids, lead]))
+    def lead_text(self, namespace: str | None) -> str:
+        """chunk_prefill=lead: RAGCACHE_CHUNK_LEAD, else the namespace's own lead passage (corpus/lead.py: picked
+        from its chunks at the first need, then kept in SQL; one for all with caching shared across namespaces)."""
+        if self.settings.chunk_lead:
+            return self.settings.chunk_lead
+        ns = "" if self.settings.share_across_namespaces else namespace
+        if ns not in self._leads:
+            from .corpus.lead import namespace_lead
 
-    def chunk_prefix(self, how: str | None = None) -> PrefixKV | None:
-        """What chunk KV is computed behind (`how`: a chunk_prefill choice, the setting's by default)."""
+            self._leads[ns] = namespace_lead(self.db, ns, self.embedder.embed)
+        return self._leads[ns]
+
+    def lead(self, text: str) -> PrefixKV:
+        """The system prompt and a lead passage after it, as a passage ends: what chunks are computed behind with
+        chunk_prefill=lead, so that a chunk's KV has seen a passage before it, as every chunk but a prompt's first
+        has. The last few computed are kept."""
+        with self._parts_lock:
+            if text in self._lead_kv:
+                return self._lead_kv[text]
+        kv = compute_prefix(self.runner, self._lead_ids(text))
+        with self._parts_lock:
+            self._lead_kv[text] = kv
+            while len(self._lead_kv) > 4:
+                del self._lead_kv[next(iter(self._lead_kv))]
+        return kv
+
+    def _lead_ids(self, text: str) -> torch.Tensor:
+        """(P,) the system prompt's tokens, then the lead's as a passage ends."""
+        return torch.cat([as_ids(self.frame.head), as_ids(encode(self.tokenizer, text + SEPARATOR))])
+
+    def _lead_key(self, text: str) -> str:
+        if text not in self._lead_keys:
+            self._lead_keys[text] = ids_key(self._lead_ids(text))
+        return self._lead_keys[text]
+
+    def chunk_prefix(self, namespace: str | None = None, how: str | None = None,
+                     lead: str | None = None) -> PrefixKV | None:
+        """What chunk KV is computed behind: nothing (`alone`), the system prompt (`prefixed`), or it and a lead
+        passage (`lead`: the one given, else the namespace's). `how`: a chunk_prefill choice, the setting's by
+        default."""
         how = how or self.settings.chunk_prefill
-        return None if how == "alone" else self.lead if how == "lead" else self.prefix
+        if how != "lead":
+            return None if how == "alone" else self.prefix
+        if lead is None and namespace is None and not self.settings.chunk_lead:
+            raise UserError("chunk KV behind a lead passage needs a namespace to take it from, or RAGCACHE_CHUNK_LEAD")
+        return self.lead(lead or self.lead_text(namespace))
 
-    @property
-    def chunk_context(self) -> str:
-        behind = self.chunk_prefix()
-        return behind.key if behind is not None else ALONE
-
-    def kv_key_of(self, token_ids: torch.Tensor, namespace: str) -> str:
+    def kv_key_of(self, token_ids: torch.Tensor, namespace: str, context: str | None = None) -> str:
+        """The store's key of these tokens' KV in `namespace` (computed behind its chunk prefix, unless `context`
+        names another)."""
         salt = self._salts.get(namespace)
         if salt is None:
             salt = self._salts[namespace] = self.db.namespace_salt(namespace, self.settings.share_across_namespaces)
-        return kv_key(self.model.fingerprint, token_ids, self.chunk_context, self.kv_dtype, salt)
+        if context is None:  # what chunk_prefix(namespace).key is, without computing a lead's KV
+            how = self.settings.chunk_prefill
+            context = ALONE if how == "alone" else self.prefix.key if how == "prefixed" else \
+                self._lead_key(self.lead_text(namespace))
+        return kv_key(self.model.fingerprint, token_ids, context, self.kv_dtype, salt)
 
     def codec_spec(self, name: str | None = None):
         """The compact codec's widths for this model (None: raw); `name` defaults to RAGCACHE_KV_CODEC."""
@@ -156,13 +192,13 @@ class Parts:
     def store_encode(self, kv: ChunkKV):
         return encode_kv(kv, self.kv_dtype, self.kv_codec, self.runner.inv_freq)
 
-    def compute_chunk_kv(self, token_ids: torch.Tensor) -> ChunkKV:
-        return compute_chunk(self.runner, token_ids, self.chunk_prefix())
+    def compute_chunk_kv(self, token_ids: torch.Tensor, namespace: str) -> ChunkKV:
+        return compute_chunk(self.runner, token_ids, self.chunk_prefix(namespace))
 
-    def prefill_for_store(self, token_ids: torch.Tensor):
+    def prefill_for_store(self, token_ids: torch.Tensor, namespace: str):
         """(ChunkKV, its stored form) with the measured cost of making it: what evicting it costs."""
         t0 = time.perf_counter()
-        kv = self.compute_chunk_kv(token_ids)
+        kv = self.compute_chunk_kv(token_ids, namespace)
         stored = self.store_encode(kv)  # to the CPU: waits for the device too
         stored.cost_s = time.perf_counter() - t0
         return kv, stored

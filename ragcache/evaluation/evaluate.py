@@ -27,6 +27,7 @@ from blend.reweight import Reweight, Reweighted
 from blend.prompt import SEPARATOR, as_ids, encode
 
 from ..config import EVAL_MODES
+from ..corpus.lead import pick_lead
 from ..database import Database
 from ..errors import UserError
 from ..store import TieredStore, decode as decode_kv, encode as encode_kv, kv_key
@@ -115,14 +116,14 @@ def policies(cfg: EvalConfig) -> list[tuple[str, object]]:
 class _Passages:
     """Each distinct passage's chunk KV, computed once and kept in the chosen tier."""
 
-    def __init__(self, service, cfg: EvalConfig, root: Path):
+    def __init__(self, service, cfg: EvalConfig, root: Path, lead: str | None = None):
         self.service, self.cfg = service, cfg
         self.kv_dtype = service.kv_dtype if cfg.kv_dtype == "auto" else cfg.kv_dtype
         self.spec = service.codec_spec(cfg.codec)
         room = 1 << 40 if cfg.tier == "cpu" else 0
         self.store = TieredStore(Database(f"sqlite:///{root / 'eval.db'}"), [MemoryTier("cpu", "cpu", room)],
                                  [DiskTier(root / "kv", 1 << 40)])
-        self.behind = service.chunk_prefix(cfg.chunk_prefill)
+        self.behind = service.chunk_prefix(how=cfg.chunk_prefill, lead=lead)
         self.context = self.behind.key if self.behind is not None else ""
         self.token_ids: dict[str, torch.Tensor] = {}
 
@@ -147,6 +148,17 @@ class _Passages:
     def load(self, keys: list[str]):
         m = self.service.model
         return [decode_kv(hit.entry, m.dtype, m.device) for hit in self.store.get_many(keys)]
+
+
+def dataset_lead(service, cfg: EvalConfig, evaluated: int) -> str:
+    """chunk_prefill=lead: RAGCACHE_CHUNK_LEAD, else the lead a deployment of this file's passages would pick
+    (corpus/lead.py), from the questions past the `evaluated` first (from every passage if the run takes all)."""
+    if service.settings.chunk_lead:
+        return service.settings.chunk_lead
+    data = load_dataset(cfg.dataset, None)
+    texts = sorted({c["text"] for item in (data[evaluated:] or data) for c in item["ctxs"]})
+    sizes = [len(encode(service.tokenizer, t)) for t in texts]
+    return texts[pick_lead(texts, sizes, service.embedder.embed)]
 
 
 def _run_mode(service, passages: _Passages, keys, suffix, policy, cfg: EvalConfig, reference=None) -> dict:
@@ -189,7 +201,8 @@ def evaluate(service, cfg: EvalConfig, progress: bool = True) -> dict:
     per_question = []
     with tempfile.TemporaryDirectory(prefix="ragcache-eval-") as tmp:
         root = Path(tmp)
-        passages = _Passages(service, cfg, root)
+        lead = dataset_lead(service, cfg, len(data)) if cfg.chunk_prefill == "lead" else None
+        passages = _Passages(service, cfg, root, lead)
         retrieve = retriever(service, cfg, data, root, passages)
         bar = _bar(len(data), progress)
         for n, item in enumerate(data):
@@ -220,7 +233,7 @@ def evaluate(service, cfg: EvalConfig, progress: bool = True) -> dict:
         passages.store.close()
     return {"model": service.model.name, "dataset": str(cfg.dataset), "n": len(per_question), "top_k": cfg.top_k,
             "retrieval": cfg.retrieval + (f"+rerank@{cfg.rerank}:{service.settings.reranker}" if cfg.rerank else ""),
-            "chunk_prefill": cfg.chunk_prefill, "tier": cfg.tier,
+            "chunk_prefill": cfg.chunk_prefill, "tier": cfg.tier, "lead": lead,
             "knobs": {"probe_epic_k": cfg.probe_epic_k, "a3_window": cfg.a3_window},  # the rest are in the labels
             "kv_dtype": passages.kv_dtype, "codec": cfg.codec,
             "kv_cache_dtype": str(service.kv_cache_dtype).removeprefix("torch."),

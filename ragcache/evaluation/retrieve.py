@@ -45,8 +45,7 @@ def retriever(service, cfg, data: list[dict], root, passages):
         if cfg.rerank <= cfg.top_k:
             return found[: cfg.top_k]
         chunks = passages.load(passages.ensure(found))
-        behind = service.chunk_prefix(cfg.chunk_prefill)
-        scores = relevance(service.runner, behind, chunks, service.tokenizer, service.frame.tail, item["question"],
+        scores = relevance(service.runner, passages.behind, chunks, service.tokenizer, service.frame.tail, item["question"],
                            service.settings.reranker)
         return [found[i] for i in torch.argsort(scores, descending=True, stable=True)[: cfg.top_k].tolist()]
 

@@ -148,7 +148,7 @@ def _work(parts: Parts, job_id: int, namespace: str | None, worker: str, on_batc
                     key = parts.kv_key_of(ids, ns)
                     write = writes.get(key)  # the same text twice in this batch: computed once
                     if write is None and not parts.store.contains(key):  # stored before: one entry
-                        _, kv = parts.prefill_for_store(ids)
+                        _, kv = parts.prefill_for_store(ids, ns)
                         put = writer.submit(parts.store.put, key, kv, durable=True)  # `done` promises a blob
                         write = writes[key] = put
                     pending.append((cid, ns, key, text, int(ids.numel()), write))

@@ -190,7 +190,7 @@ class Generation:
                 chunks.append(streamed[i] if i in streamed else decode_kv(hit.entry, p.model.dtype, p.model.device))
                 tiers.append(hit.tier)
                 continue
-            kv, stored = p.prefill_for_store(ids)
+            kv, stored = p.prefill_for_store(ids, namespace)
             self.totals.chunks["prefilled"] += 1
             if p.admission.on_miss(key):
                 p.store.put(key, stored, best_effort=True)  # a full or failing tier: served anyway

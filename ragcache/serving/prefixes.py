@@ -16,6 +16,8 @@ from collections import OrderedDict
 from blend import compute_prefix
 from blend.prompt import as_ids
 
+HEAD = "prompt-head"  # the context of a prompt head's key: it starts the sequence, behind nothing
+
 
 class PrefixCache:
     def __init__(self, parts, max_entries: int = 8):
@@ -29,7 +31,7 @@ class PrefixCache:
         return self.p.settings.kv_budget_bytes // 8
 
     def _key(self, head: list[int], namespace: str) -> str:
-        return self.p.kv_key_of(as_ids(head), namespace)
+        return self.p.kv_key_of(as_ids(head), namespace, context=HEAD)
 
     def has(self, head: list[int], namespace: str) -> bool:
         key = self._key(head, namespace)

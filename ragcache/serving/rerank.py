@@ -23,7 +23,7 @@ def rerank(generation, query: str, namespace: str, found: list, top_k: int) -> t
     relevance: an attention lift, or a mean log p), with their ChunkKVs and the tiers they came from."""
     p = generation.p
     chunks, tiers = generation.load_chunks([unpack_ids(row.token_ids) for _, row in found], namespace)
-    behind = p.chunk_prefix()  # where the chunks' KV was computed
+    behind = p.chunk_prefix(namespace)  # where the chunks' KV was computed
     scores = relevance(p.runner, behind, chunks, p.tokenizer, p.frame.tail, query, p.settings.reranker)  # (N,)
     keep = torch.argsort(scores, descending=True, stable=True)[:top_k].tolist()
     hits = [(dataclasses.replace(found[i][0], score=float(scores[i])), found[i][1]) for i in keep]

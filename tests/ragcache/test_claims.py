@@ -44,11 +44,11 @@ def _failing(service, fails: dict[int, int]):
     """compute_chunk_kv that raises for the first `fails[n_tokens]` calls of a chunk of that length."""
     real = service.compute_chunk_kv
 
-    def compute(ids):
+    def compute(ids, namespace):
         if fails.get(ids.numel(), 0) > 0:
             fails[ids.numel()] -= 1
             raise RuntimeError("injected prefill failure")
-        return real(ids)
+        return real(ids, namespace)
 
     service.compute_chunk_kv = compute
 

@@ -75,7 +75,6 @@ def _bad_files(tmp: Path) -> dict[str, Path]:
     (["ingest", "{a_file}"], {}, "unsupported type '(no suffix)'"),
     (["search", "x", "--retrieval", "sparse"], {}, "invalid choice: 'sparse'"),
     (["ask", "what?"], {"RAGCACHE_RETRIEVAL": "sparse"}, "setting retrieval"),
-    (["ask", "what?"], {"RAGCACHE_CHUNK_PREFILL": "lead", "RAGCACHE_CHUNK_LEAD": "  "}, "chunk_prefill=lead needs chunk_lead"),
     (["bench", "blend", "--repeats", "0"], {}, "must be >= 1"),
     (["bench", "blend", "--question", "99999"], {}, "--question must be in [0, "),
 ])

@@ -232,17 +232,70 @@ def test_chunks_precomputed_behind_the_lead_are_keyed_apart_and_served(tmp_path,
         lead.corpus.ingest_documents(docs)
     run_precompute(settings, progress=False)
     with RagCache(settings) as lead, RagCache(settings.model_copy(update={"chunk_prefill": "prefixed"})) as plain:
-        behind = lead.chunk_prefix()
+        behind = lead.chunk_prefix("default")
         head = plain.prefix.token_ids
         assert torch.equal(behind.token_ids, torch.cat([head, as_ids(encode(lead.tokenizer, "The Lark\nA song.\n\n"))]))
         ids = as_ids(encode(lead.tokenizer, "Short text about Rome.\n\n"))
-        kv = lead.compute_chunk_kv(ids)
-        assert (kv.start, kv.context) == (len(behind), behind.key) and lead.chunk_context == behind.key
+        kv = lead.compute_chunk_kv(ids, "default")
+        assert (kv.start, kv.context) == (len(behind), behind.key)
         whole = lead.runner.prefill(torch.cat([behind.token_ids, ids]))
         assert (kv.k - whole.k[:, :, len(behind):]).abs().max() <= 1e-3 * whole.k.abs().max()  # one pass or two
         assert lead.kv_key_of(ids, "default") != plain.kv_key_of(ids, "default")
         out = lead.generate("What is Paris?", top_k=2, max_new_tokens=2)
         assert out["answer"] and "computed" not in {c["tier"] for c in out["chunks"]}  # precompute's KV, served
+
+
+def test_the_lead_is_the_most_typical_passage_of_the_median_length():
+    """corpus/lead.py's pick: only passages of about the median length are candidates, and of those the one
+    nearest their embeddings' centroid wins (an outlier of the right length does not)."""
+    from index import Embedder
+    from ragcache.corpus.lead import pick_lead
+
+    texts = ["a short note", "the river flows past the old mill into the lake", "a very long passage " * 40,
+             "the river runs by the mill and on to the lake", "stock prices fell sharply on monday morning",
+             "the stream passes the mill and reaches the lake", "x"]
+    sizes = [3, 10, 80, 10, 10, 10, 1]
+    picked = pick_lead(texts, sizes, Embedder().embed)
+    assert picked in (1, 3, 5)  # a river passage of the median length: not the outlier, not the long one
+    with pytest.raises(ValueError):
+        pick_lead([], [], Embedder().embed)
+
+
+def test_each_namespace_computes_behind_a_lead_picked_once_from_its_own_chunks(tmp_path, smollm):
+    """RAGCACHE_CHUNK_PREFILL=lead without RAGCACHE_CHUNK_LEAD: a namespace's lead is one of its own chunks
+    (never another tenant's), kept in SQL, so another process, a later ingest and the deletion of the document it
+    came from all leave it as it was; precompute and serving agree on it (the KV is served from the store); an
+    empty namespace is a named error; with caching shared across namespaces one lead serves all."""
+    from ragcache import RagCache, Settings
+    from ragcache.jobs.precompute import run_precompute
+    from ragcache.meta import Lead
+
+    rivers = ["The river flows past the old mill into the lake.", "The river runs by the mill and on to the lake.",
+              "The stream passes the mill and reaches the lake below."]
+    stocks = ["Stock prices fell sharply on Monday morning.", "Shares rose again on Tuesday after the report."]
+    docs = {"a": [Document(f"r{i}", "", t) for i, t in enumerate(rivers)],
+            "b": [Document(f"s{i}", "", t) for i, t in enumerate(stocks)]}
+    settings = Settings(home=tmp_path, model=str(smollm.path), chunk_prefill="lead")
+    with RagCache(settings) as service:
+        for ns, ds in docs.items():
+            service.corpus.ingest_documents(ds, ns)
+        leads = {ns: service.lead_text(ns) for ns in docs}
+        with pytest.raises(UserError, match="RAGCACHE_CHUNK_LEAD"):
+            service.lead_text("empty")
+    assert leads["a"] in rivers and leads["b"] in stocks
+    run_precompute(settings, progress=False)
+    with RagCache(settings) as service:
+        service.corpus.ingest_documents([Document("r9", "", "A new passage about the lake.")], "a")
+        service.corpus.delete_document("a", f"r{rivers.index(leads['a'])}")
+        assert {ns: service.lead_text(ns) for ns in docs} == leads  # read back from SQL, not picked again
+        behind = service.chunk_prefix("b")
+        assert service.tokenizer.decode(behind.token_ids[len(service.prefix):]).strip() == leads["b"]
+        out = service.generate("When did stock prices fall?", namespace="b", top_k=2, max_new_tokens=2)
+        assert out["answer"] and "computed" not in {c["tier"] for c in out["chunks"]}  # precompute's KV, served
+        with service.db.session() as s:
+            assert {row.namespace for row in s.scalars(select(Lead))} == {"a", "b"}
+    with RagCache(settings.model_copy(update={"share_across_namespaces": True})) as shared:
+        assert shared.lead_text("a") == shared.lead_text("b") in rivers + stocks
 
 
 class _Tokenizer:

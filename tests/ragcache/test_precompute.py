@@ -224,7 +224,7 @@ def test_work_is_not_thrown_away(tmp_path, smollm):
     service = RagCache(settings)
     computed = []
     real = service.compute_chunk_kv
-    service.compute_chunk_kv = lambda ids: computed.append(ids.numel()) or real(ids)  # counts, computes for real
+    service.compute_chunk_kv = lambda ids, ns: computed.append(ids.numel()) or real(ids, ns)  # counts, computes
     service.ingest(docs)
     chunks = service.counts()["pending"]
     run_precompute(settings, progress=False, service=service)
@@ -252,10 +252,10 @@ def test_a_document_deleted_while_its_chunks_are_computed_leaves_no_blob(tmp_pat
     service.ingest(docs)
     real, deleted = service.prefill_for_store, []
 
-    def prefill_then_delete(ids):  # the document is deleted (over HTTP, say) while its batch computes
+    def prefill_then_delete(ids, namespace):  # the document is deleted (over HTTP, say) while its batch computes
         if not deleted:
             deleted.append(service.corpus.delete_document("default", "gone"))
-        return real(ids)
+        return real(ids, namespace)
 
     service.prefill_for_store = prefill_then_delete
     run_precompute(settings, progress=False, service=service)

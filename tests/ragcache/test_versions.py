@@ -95,11 +95,11 @@ def _on_prefill(service, at: int, act) -> list:
     comes after the first batch committed) and before every later one when `at` is 0; its results."""
     real, calls, results = service.prefill_for_store, [], []
 
-    def prefill(ids):
+    def prefill(ids, namespace):
         calls.append(1)
         if at == 0 or len(calls) == at:
             results.append(act())
-        return real(ids)
+        return real(ids, namespace)
 
     service.prefill_for_store = prefill
     return results
