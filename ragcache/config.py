@@ -72,7 +72,7 @@ class Settings(BaseSettings):
     chunk_prefill: str = "prefixed"  # prefixed (behind the system prompt: measured better) | lead (behind it and
     # chunk_lead: KV that has seen a passage before it, as nearly every chunk in a prompt has) | alone
     chunk_lead: str = ""  # lead: the passage every chunk is computed behind (never in a prompt); empty: each
-    # namespace's own, picked from its chunks (corpus/lead.py: a made-up or a short one measured no help)
+    # namespace's own, picked from its chunks (lead.py: a made-up or a short one measured no help)
     index_kind: str = "flat"  # flat | ivf | hnsw
     retrieval: str = "hybrid"  # dense (FAISS) | bm25 | hybrid (both, rank-fused: measured best)
     rerank: int = 0  # > 0: score this many retrieved candidates against their cached KV, keep the best top_k

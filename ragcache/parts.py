@@ -122,13 +122,13 @@ class Parts:
         return self.model.dtype if d == "auto" else getattr(torch, d)
 
     def lead_text(self, namespace: str | None) -> str:
-        """chunk_prefill=lead: RAGCACHE_CHUNK_LEAD, else the namespace's own lead passage (corpus/lead.py: picked
+        """chunk_prefill=lead: RAGCACHE_CHUNK_LEAD, else the namespace's own lead passage (lead.py: picked
         from its chunks at the first need, then kept in SQL; one for all with caching shared across namespaces)."""
         if self.settings.chunk_lead:
             return self.settings.chunk_lead
         ns = "" if self.settings.share_across_namespaces else namespace
         if ns not in self._leads:
-            from .corpus.lead import namespace_lead
+            from .lead import namespace_lead
 
             self._leads[ns] = namespace_lead(self.db, ns, self.embedder.embed)
         return self._leads[ns]

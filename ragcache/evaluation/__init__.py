@@ -4,5 +4,5 @@
 holds the metrics (F1, KL), `plot` the Pareto plot, `results` where a run's results go (and reads the home's
 latest back), `calibrate` stores the fastest mode within a KL target.
 
-May import: config, errors, meta, database, store, corpus (and blend, index).
+May import: config, errors, meta, database, store, corpus, lead (and blend, index).
 """

@@ -27,7 +27,7 @@ from blend.reweight import Reweight, Reweighted
 from blend.prompt import SEPARATOR, as_ids, encode
 
 from ..config import EVAL_MODES
-from ..corpus.lead import pick_lead
+from ..lead import pick_lead
 from ..database import Database
 from ..errors import UserError
 from ..store import TieredStore, decode as decode_kv, encode as encode_kv, kv_key
@@ -152,7 +152,7 @@ class _Passages:
 
 def dataset_lead(service, cfg: EvalConfig, evaluated: int) -> str:
     """chunk_prefill=lead: RAGCACHE_CHUNK_LEAD, else the lead a deployment of this file's passages would pick
-    (corpus/lead.py), from the questions past the `evaluated` first (from every passage if the run takes all)."""
+    (lead.py), from the questions past the `evaluated` first (from every passage if the run takes all)."""
     if service.settings.chunk_lead:
         return service.settings.chunk_lead
     data = load_dataset(cfg.dataset, None)

@@ -246,17 +246,18 @@ def test_chunks_precomputed_behind_the_lead_are_keyed_apart_and_served(tmp_path,
 
 
 def test_the_lead_is_the_most_typical_passage_of_the_median_length():
-    """corpus/lead.py's pick: only passages of about the median length are candidates, and of those the one
+    """lead.py's pick: only passages of about the median length are candidates, and of those the one
     nearest their embeddings' centroid wins (an outlier of the right length does not)."""
     from index import Embedder
-    from ragcache.corpus.lead import pick_lead
+    from ragcache.lead import pick_lead
 
     texts = ["a short note", "the river flows past the old mill into the lake", "a very long passage " * 40,
              "the river runs by the mill and on to the lake", "stock prices fell sharply on monday morning",
              "the stream passes the mill and reaches the lake", "x"]
     sizes = [3, 10, 80, 10, 10, 10, 1]
     picked = pick_lead(texts, sizes, Embedder().embed)
-    assert picked in (1, 3, 5)  # a river passage of the median length: not the outlier, not the long one
+    assert picked in (1, 3, 5)  # a river passage of the median length: not the outlier, not the short or long ones
+    assert pick_lead(texts[:3], sizes[:3], Embedder().embed) == 1  # of one length only the median one is a candidate
     with pytest.raises(ValueError):
         pick_lead([], [], Embedder().embed)
 

@@ -13,20 +13,22 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from ..database import Database
-from ..errors import UserError
-from ..meta import Chunk, Lead
+from .database import Database
+from .errors import UserError
+from .meta import Chunk, Lead
 
 POOL = 32  # candidates of the median length whose embeddings are compared
 
 
 def pick_lead(texts: list[str], n_tokens: list[int], embed) -> int:
-    """The index of the most typical of `texts`: among the POOL nearest the median length, the one whose
-    embedding is nearest their centroid (`embed`: texts → (n, dim) unit vectors). Ties go to the earlier."""
+    """The index of the most typical of `texts`: among those within a quarter of the median length (the POOL
+    nearest it), the one whose embedding is nearest their centroid (`embed`: texts → (n, dim) unit vectors).
+    Ties go to the earlier."""
     if not texts:
         raise ValueError("no passage to pick a lead from")
     median = sorted(n_tokens)[len(n_tokens) // 2]
-    pool = sorted(range(len(texts)), key=lambda i: (abs(n_tokens[i] - median), i))[:POOL]
+    near = [i for i in range(len(texts)) if abs(n_tokens[i] - median) <= median / 4]
+    pool = sorted(near, key=lambda i: (abs(n_tokens[i] - median), i))[:POOL]
     vectors = np.asarray(embed([texts[i] for i in pool]), dtype=np.float32)  # (pool, dim)
     return pool[int(np.argmax(vectors @ vectors.mean(0)))]
 
