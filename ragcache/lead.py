@@ -20,17 +20,26 @@ from .meta import Chunk, Lead
 POOL = 32  # candidates of the median length whose embeddings are compared
 
 
+def candidates(n_tokens: list[int]) -> list[int]:
+    """Indices of the passages within a quarter of the median length: the POOL nearest it, nearest first."""
+    median = sorted(n_tokens)[len(n_tokens) // 2]
+    near = [i for i, n in enumerate(n_tokens) if abs(n - median) <= median / 4]
+    return sorted(near, key=lambda i: (abs(n_tokens[i] - median), i))[:POOL]
+
+
+def most_typical(texts: list[str], embed) -> int:
+    """The index of the text whose embedding is nearest the centroid of all of theirs (`embed`: texts → (n, dim)
+    unit vectors). Ties go to the earlier."""
+    vectors = np.asarray(embed(texts), dtype=np.float32)  # (n, dim)
+    return int(np.argmax(vectors @ vectors.mean(0)))
+
+
 def pick_lead(texts: list[str], n_tokens: list[int], embed) -> int:
-    """The index of the most typical of `texts`: among those within a quarter of the median length (the POOL
-    nearest it), the one whose embedding is nearest their centroid (`embed`: texts → (n, dim) unit vectors).
-    Ties go to the earlier."""
+    """The index of the most typical of `texts` among those of about the median length."""
     if not texts:
         raise ValueError("no passage to pick a lead from")
-    median = sorted(n_tokens)[len(n_tokens) // 2]
-    near = [i for i in range(len(texts)) if abs(n_tokens[i] - median) <= median / 4]
-    pool = sorted(near, key=lambda i: (abs(n_tokens[i] - median), i))[:POOL]
-    vectors = np.asarray(embed([texts[i] for i in pool]), dtype=np.float32)  # (pool, dim)
-    return pool[int(np.argmax(vectors @ vectors.mean(0)))]
+    pool = candidates(n_tokens)
+    return pool[most_typical([texts[i] for i in pool], embed)]
 
 
 def namespace_lead(db: Database, namespace: str, embed) -> str:
@@ -45,11 +54,9 @@ def namespace_lead(db: Database, namespace: str, embed) -> str:
         if not sizes:
             raise UserError(f"namespace {namespace!r} holds no chunk to pick the lead passage from (chunk_prefill="
                             "lead): ingest its documents first, or name one with RAGCACHE_CHUNK_LEAD")
-        median = sorted(n for _, n in sizes)[len(sizes) // 2]
-        near = sorted(sizes, key=lambda r: (abs(r.n_tokens - median), r.id))[:POOL]
-        texts = dict(s.execute(select(Chunk.id, Chunk.text).where(Chunk.id.in_([r.id for r in near]))).all())
-    ids = [r.id for r in near]
-    best = ids[pick_lead([texts[i] for i in ids], [r.n_tokens for r in near], embed)]
+        ids = [sizes[i].id for i in candidates([n for _, n in sizes])]
+        texts = dict(s.execute(select(Chunk.id, Chunk.text).where(Chunk.id.in_(ids))).all())
+    best = ids[most_typical([texts[i] for i in ids], embed)]
     try:
         with db.session() as s:
             s.add(Lead(namespace=namespace, text=texts[best], chunk_id=best))

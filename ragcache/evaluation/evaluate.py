@@ -150,13 +150,12 @@ class _Passages:
         return [decode_kv(hit.entry, m.dtype, m.device) for hit in self.store.get_many(keys)]
 
 
-def dataset_lead(service, cfg: EvalConfig, evaluated: int) -> str:
-    """chunk_prefill=lead: RAGCACHE_CHUNK_LEAD, else the lead a deployment of this file's passages would pick
-    (lead.py), from the questions past the `evaluated` first (from every passage if the run takes all)."""
+def dataset_lead(service, others: list[dict]) -> str:
+    """chunk_prefill=lead: RAGCACHE_CHUNK_LEAD, else the lead a deployment of these questions' passages would pick
+    (lead.py)."""
     if service.settings.chunk_lead:
         return service.settings.chunk_lead
-    data = load_dataset(cfg.dataset, None)
-    texts = sorted({c["text"] for item in (data[evaluated:] or data) for c in item["ctxs"]})
+    texts = sorted({c["text"] for item in others for c in item["ctxs"]})
     sizes = [len(encode(service.tokenizer, t)) for t in texts]
     return texts[pick_lead(texts, sizes, service.embedder.embed)]
 
@@ -193,7 +192,8 @@ def _run_mode(service, passages: _Passages, keys, suffix, policy, cfg: EvalConfi
 
 
 def evaluate(service, cfg: EvalConfig, progress: bool = True) -> dict:
-    data = load_dataset(cfg.dataset, cfg.limit)
+    every = load_dataset(cfg.dataset, None)
+    data = every[: cfg.limit] if cfg.limit else every
     if not data:
         raise UserError(f"{cfg.dataset} holds no questions")
     modes = policies(cfg)
@@ -201,7 +201,8 @@ def evaluate(service, cfg: EvalConfig, progress: bool = True) -> dict:
     per_question = []
     with tempfile.TemporaryDirectory(prefix="ragcache-eval-") as tmp:
         root = Path(tmp)
-        lead = dataset_lead(service, cfg, len(data)) if cfg.chunk_prefill == "lead" else None
+        # a lead from the questions not evaluated (from every one if the run takes all)
+        lead = dataset_lead(service, every[len(data):] or every) if cfg.chunk_prefill == "lead" else None
         passages = _Passages(service, cfg, root, lead)
         retrieve = retriever(service, cfg, data, root, passages)
         bar = _bar(len(data), progress)

@@ -77,6 +77,23 @@ def test_eval_with_hybrid_retrieval_and_the_reranker_runs_and_reorders(tmp_path,
     assert exact["top1_agree"] == 1 and exact["kl_tf"] < 1e-6
 
 
+def test_eval_with_lead_computes_chunks_behind_a_passage_of_the_questions_it_does_not_evaluate(tmp_path, tiny, smollm):
+    """`ragcache eval --chunk-prefill lead` without RAGCACHE_CHUNK_LEAD: the lead is picked (lead.py) from the
+    passages of the questions past --limit, named in the results; RAGCACHE_CHUNK_LEAD, when set, is used instead."""
+    from ragcache import RagCache
+    from ragcache.evaluation.evaluate import dataset_lead, evaluate
+
+    with RagCache(Settings(home=tmp_path, model=str(smollm.path))) as service:
+        cfg = EvalConfig(tiny, modes=["full", "reuse"], ape=[], top_k=2, chunk_prefill="lead", limit=1,
+                         max_new_tokens=2)
+        results = evaluate(service, cfg, progress=False)
+        data = load_dataset(tiny, None)
+        assert results["lead"] in {c["text"] for c in data[1]["ctxs"]}
+        assert results["modes"]["reuse"]["kl_tf"] > 0  # every chunk stale, the first too
+    with RagCache(Settings(home=tmp_path, model=str(smollm.path), chunk_lead="A passage.")) as named:
+        assert dataset_lead(named, data) == "A passage."
+
+
 def test_calibrate_stores_the_fastest_mode_within_the_target(tmp_path, tiny, smollm):
     from ragcache.evaluation.calibrate import calibrate
     from ragcache.meta import ModelDefault
