@@ -18,12 +18,15 @@ from .errors import UserError
 from .meta import Chunk, Lead
 
 POOL = 32  # candidates of the median length whose embeddings are compared
+LONGEST = 1024  # tokens: a lead precedes every chunk of its namespace within the model's positions, so none is longer
 
 
 def candidates(n_tokens: list[int]) -> list[int]:
-    """Indices of the passages within a quarter of the median length: the POOL nearest it, nearest first."""
-    median = sorted(n_tokens)[len(n_tokens) // 2]
-    near = [i for i, n in enumerate(n_tokens) if abs(n - median) <= median / 4]
+    """Indices of the passages within a quarter of the (lower) median length of those up to LONGEST tokens (the
+    shortest passage when none is): the POOL nearest it, nearest first."""
+    fit = [i for i, n in enumerate(n_tokens) if n <= LONGEST] or [min(range(len(n_tokens)), key=n_tokens.__getitem__)]
+    median = sorted(n_tokens[i] for i in fit)[(len(fit) - 1) // 2]
+    near = [i for i in fit if abs(n_tokens[i] - median) <= median / 4]
     return sorted(near, key=lambda i: (abs(n_tokens[i] - median), i))[:POOL]
 
 

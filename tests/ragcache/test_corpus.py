@@ -246,8 +246,8 @@ def test_chunks_precomputed_behind_the_lead_are_keyed_apart_and_served(tmp_path,
 
 
 def test_the_lead_is_the_most_typical_passage_of_the_median_length():
-    """lead.py's pick: only passages of about the median length are candidates, and of those the one
-    nearest their embeddings' centroid wins (an outlier of the right length does not)."""
+    """lead.py's pick: only passages of about the median length (of those up to LONGEST tokens) are candidates,
+    and of those the one nearest their embeddings' centroid wins (an outlier of the right length does not)."""
     from index import Embedder
     from ragcache.lead import pick_lead
 
@@ -258,6 +258,9 @@ def test_the_lead_is_the_most_typical_passage_of_the_median_length():
     picked = pick_lead(texts, sizes, Embedder().embed)
     assert picked in (1, 3, 5)  # a river passage of the median length: not the outlier, not the short or long ones
     assert pick_lead(texts[:3], sizes[:3], Embedder().embed) == 1  # of one length only the median one is a candidate
+    # a lead precedes every chunk within the model's positions: never one past LONGEST tokens, even at the median
+    assert pick_lead(["Paris is in France.", "word " * 9000], [5, 9000], Embedder().embed) == 0
+    assert pick_lead(["word " * 3000, "word " * 2000], [3000, 2000], Embedder().embed) == 1  # none fits: the shortest
     with pytest.raises(ValueError):
         pick_lead([], [], Embedder().embed)
 
