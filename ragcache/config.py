@@ -69,8 +69,8 @@ class Settings(BaseSettings):
 
     # corpus, retrieval, precompute
     chunk_tokens: int = 512
-    chunk_prefill: str = "prefixed"  # prefixed (behind the system prompt: measured better) | lead (behind it and
-    # chunk_lead: KV that has seen a passage before it, as nearly every chunk in a prompt has) | alone
+    chunk_prefill: str = "lead"  # lead (behind the system prompt and a passage: KV that has seen a passage before
+    # it, as nearly every chunk in a prompt has; measured best) | prefixed (behind the system prompt) | alone
     chunk_lead: str = ""  # lead: the passage every chunk is computed behind (never in a prompt); empty: each
     # namespace's own, picked from its chunks (lead.py: a made-up or a short one measured no help)
     index_kind: str = "flat"  # flat | ivf | hnsw

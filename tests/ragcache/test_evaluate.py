@@ -132,6 +132,7 @@ def test_calibrate_stores_the_fastest_mode_within_the_target(tmp_path, tiny, smo
     service.generation.p.settings = Settings(home=tmp_path / "home", model=str(smollm.path))
     served = service.policy_for(Settings().mode)  # the defaults: what measured best at cacheblend's speed
     assert served == Reweighted(Probe(0.1), Reweight(1.0, 0.5)) and served.layers == 0
+    assert Settings().chunk_prefill == "lead" and not Settings().chunk_lead  # each namespace's own lead: measured best
     service.close()
 
 
