@@ -72,7 +72,7 @@ def free_port() -> int:
 def server_env(home: Path, smollm, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAGCACHE_")}
     env.update({"RAGCACHE_HOME": str(home), "RAGCACHE_MODEL": str(smollm.path), "RAGCACHE_CHUNK_TOKENS": "1024",
-                "RAGCACHE_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
