@@ -117,8 +117,7 @@ def precompute_home(home: Path, smollm, files: dict[str, Path]) -> None:
     from ragcache.service import RagCache
 
     env = server_env(home, smollm)
-    settings = Settings(**{k.removeprefix("RAGCACHE_").lower(): v for k, v in env.items()
-                           if k.startswith("RAGCACHE_") and k != "RAGCACHE_THREADS"})  # this process keeps its threads
+    settings = Settings(**{k.removeprefix("RAGCACHE_").lower(): v for k, v in env.items() if k.startswith("RAGCACHE_")})
     with RagCache(settings) as service:
         for namespace, path in files.items():
             service.ingest(path, namespace)
