@@ -80,7 +80,7 @@ def _add_eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rerank", type=int, default=0,
                    help="with --retrieval: rerank this many candidates on their chunk KV (by RAGCACHE_RERANKER)")
     p.add_argument("--chunk-prefill", choices=CHOICES["chunk_prefill"], default=None,
-                   help="default: the RAGCACHE_CHUNK_PREFILL setting (prefixed)")
+                   help="default: the RAGCACHE_CHUNK_PREFILL setting (lead)")
     p.add_argument("--kv-dtype", choices=CHOICES["kv_dtype"], default="auto")
     p.add_argument("--tier", choices=["cpu", "disk"], default="cpu")
     p.add_argument("--limit", type=_positive, default=None, help="first N questions")
