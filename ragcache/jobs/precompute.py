@@ -11,7 +11,8 @@ is brought in line with SQL when the job ends (and at every service start). A ch
 staged version is swapped in once its last chunk is done (`corpus.versions`): after the batch that
 finishes it, or at the end of the run that resumes one killed before its swap. A chunk whose KV no
 tier has room for (every one full of pinned entries) is done all the same: embedded and retrievable,
-its KV computed when used, as if evicted at once; a full tier is not the chunk's failure.
+its KV computed when used, as if evicted at once; a full tier is not the chunk's failure. The job ends by
+computing again the KV of done chunks the settings now key differently (`rekey.py`: a new chunk prefill, KV dtype).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from ..meta import Chunk
 from ..parts import Parts
 from ..store import StoreFull
 from . import claims
+from .rekey import rekey
 from .rows import LOCK_FILE, count_chunks, finish_job_if_empty, join_or_start_job
 
 log = logging.getLogger("ragcache.precompute")
@@ -49,9 +51,10 @@ class Summary:
     done: int
     failed: int
     skipped: int
+    rekeyed: int = 0  # done chunks whose KV was computed again under a key the settings now make (rekey.py)
 
     def line(self) -> str:
-        return f"done={self.done} failed={self.failed} skipped={self.skipped}"
+        return f"done={self.done} failed={self.failed} skipped={self.skipped} rekeyed={self.rekeyed}"
 
 
 def run_precompute(settings: Settings, workers: int = 1, namespace: str | None = None,
@@ -97,7 +100,7 @@ def run_precompute(settings: Settings, workers: int = 1, namespace: str | None =
             bar.close()
         summary = Summary(count_chunks(db, namespace, "done", by=run),
                           count_chunks(db, namespace, "failed", by=run),
-                          skipped)
+                          skipped, rekey(parts, namespace))
         finish_job_if_empty(db, job_id, namespace)
         for key in swap_ready(db, namespace).orphan_kv_keys:  # versions a killed run finished but did not swap
             parts.store.delete(key)

@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import func, select
 
 from ragcache.config import Settings
+from ragcache.corpus.ingest import unpack_ids
 from ragcache.database import Database
 from ragcache.meta import Chunk, Job, KVCopy
 from ragcache.service import RagCache
@@ -124,8 +125,8 @@ def test_killed_precompute_resumes_and_does_every_chunk_once(tmp_path, corpus, s
     assert kills >= 4
     r = _ragcache("precompute", "--quiet", env=env)
     assert r.returncode == 0, r.stderr
-    done, failed, skipped = (int(x.split("=")[1]) for x in r.stdout.strip().splitlines()[-1].split())
-    assert failed == 0 and done + skipped == _agree(env) and skipped > 0
+    done, failed, skipped, rekeyed = (int(x.split("=")[1]) for x in r.stdout.strip().splitlines()[-1].split())
+    assert failed == 0 and done + skipped == _agree(env) and skipped > 0 and rekeyed == 0
 
 
 def test_two_workers_share_a_job_on_postgresql(tmp_path, corpus, smollm):
@@ -136,7 +137,7 @@ def test_two_workers_share_a_job_on_postgresql(tmp_path, corpus, smollm):
         r = _ragcache("precompute", "--workers", "2", "--quiet", env=env, timeout=600)
         assert r.returncode == 0, r.stderr
         n = _agree(env)
-        assert r.stdout.strip().splitlines()[-1] == f"done={n} failed=0 skipped=0"
+        assert r.stdout.strip().splitlines()[-1] == f"done={n} failed=0 skipped=0 rekeyed=0"
         db = Database(url)
         with db.session() as s:
             by_worker = dict(s.execute(select(Chunk.claimed_by, func.count()).group_by(Chunk.claimed_by)).all())
@@ -170,12 +171,46 @@ def test_a_failing_chunk_is_recorded_and_the_job_goes_on(tmp_path, smollm):
     env = _env(tmp_path / "home", smollm, RAGCACHE_CHUNK_TOKENS=20000, RAGCACHE_RETRY_BACKOFF_S=0.1)
     assert _ragcache("ingest", str(docs), env=env).returncode == 0
     r = _ragcache("precompute", "--quiet", env=env)
-    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "done=1 failed=1 skipped=0", r.stdout + r.stderr
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "done=1 failed=1 skipped=0 rekeyed=0", \
+        r.stdout + r.stderr
     db = Database(_settings(env).db_url)
     with db.session() as s:
         bad = s.scalars(select(Chunk).where(Chunk.state == "failed")).one()
     db.dispose()
     assert "exceeds" in bad.error
+
+
+def test_a_setting_that_rekeys_chunks_has_precompute_compute_them_again_while_they_stay_served(tmp_path, precomputed,
+                                                                                             smollm):
+    """Chunks precomputed behind the lead (the default), then the deployment switched to `prefixed`: every done
+    chunk's KV is under a key no request asks for, so the next precompute computes each under its new key (none
+    leaves `done`), drops the old entries, and a request is served from the store; a run after that has nothing to
+    do. The store, SQL and the index agree throughout."""
+    from ragcache.jobs.precompute import run_precompute
+
+    env = _env(_copy(precomputed, tmp_path), smollm, RAGCACHE_CHUNK_PREFILL="prefixed")
+    settings = _settings(env)
+    before = _keys(settings)
+    summary = run_precompute(settings, progress=False)
+    assert (summary.done, summary.failed, summary.skipped, summary.rekeyed) == (0, 0, len(before), len(before))
+    assert _agree(env) == len(before)  # every row's key is a stored blob, and nothing else is stored
+    after = _keys(settings)
+    assert after.keys() == before.keys() and not set(after.values()) & set(before.values())
+    with RagCache(settings) as service:
+        with service.db.session() as s:
+            rows = s.execute(select(Chunk.token_ids, Chunk.namespace, Chunk.kv_key)).all()
+        assert all(key == service.kv_key_of(unpack_ids(ids), ns) for ids, ns, key in rows)  # the key it asks for
+        out = service.generate(QUESTION, top_k=2, max_new_tokens=2)
+        assert "computed" not in {c["tier"] for c in out["chunks"]}  # the new keys' KV, served from the store
+    assert run_precompute(settings, progress=False).rekeyed == 0
+
+
+def _keys(settings: Settings) -> dict[int, str]:
+    db = Database(settings.db_url)
+    with db.session() as s:
+        keys = dict(s.execute(select(Chunk.id, Chunk.kv_key)).all())
+    db.dispose()
+    return keys
 
 
 def test_ask_answers_from_stored_kv_and_recomputes_corrupt_blobs(tmp_path, precomputed, smollm):
