@@ -98,9 +98,10 @@ def run_precompute(settings: Settings, workers: int = 1, namespace: str | None =
                 p.join()
         if bar:
             bar.close()
+        rekeyed = rekey(parts, namespace)  # done chunks whose KV the settings now key differently
         summary = Summary(count_chunks(db, namespace, "done", by=run),
                           count_chunks(db, namespace, "failed", by=run),
-                          skipped, rekey(parts, namespace))
+                          skipped, rekeyed)
         finish_job_if_empty(db, job_id, namespace)
         for key in swap_ready(db, namespace).orphan_kv_keys:  # versions a killed run finished but did not swap
             parts.store.delete(key)
