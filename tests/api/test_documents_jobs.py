@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from .conftest import demo_docs, server_env, write_jsonl
+from .conftest import server_env, short_docs, write_jsonl
 
 
 def _wait_job(c, job_id: int, timeout: float = 300) -> dict:
@@ -21,7 +21,7 @@ def _wait_job(c, job_id: int, timeout: float = 300) -> dict:
 
 def test_upload_precompute_retrieve_delete(api_server):
     ns = "uploads"
-    docs = demo_docs(3, 2, "up-")
+    docs = short_docs(3, 2, "up-")
     with api_server.client() as c:
         r = c.post("/v1/documents", params={"namespace": ns}, json=docs)
         assert r.status_code == 200, r.text
@@ -49,7 +49,7 @@ def test_upload_precompute_retrieve_delete(api_server):
 
 
 def test_jsonl_upload_without_precompute_and_bad_bodies(api_server):
-    lines = "".join(json.dumps(d) + "\n" for d in demo_docs(4, 2, "jl-"))
+    lines = "".join(json.dumps(d) + "\n" for d in short_docs(4, 2, "jl-"))
     with api_server.client() as c:
         r = c.post("/v1/documents", params={"namespace": "jsonl", "precompute": "false"}, content=lines,
                    headers={"content-type": "application/x-ndjson"})
@@ -73,7 +73,7 @@ def test_jsonl_upload_without_precompute_and_bad_bodies(api_server):
 
 def test_a_document_ingested_by_the_cli_is_served_without_restart(api_server, smollm):
     ns = "cli-side"
-    docs = write_jsonl(api_server.home.parent / "cli.jsonl", demo_docs(5, 2, "cli-"))
+    docs = write_jsonl(api_server.home.parent / "cli.jsonl", short_docs(5, 2, "cli-"))
     env = server_env(api_server.home, smollm)
     for args in (["ingest", str(docs), "--namespace", ns], ["precompute", "--quiet", "--namespace", ns]):
         r = subprocess.run([sys.executable, "-m", "ragcache.cli", *args], env=env, capture_output=True, text=True,

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from .conftest import ADMIN, TENANTS, children, copy_home, demo_docs, free_port, server_env, start_server
+from .conftest import ADMIN, TENANTS, children, copy_home, free_port, server_env, short_docs, start_server
 from .test_documents_jobs import _wait_job
 
 KEY_A, KEY_B = TENANTS
@@ -48,7 +48,7 @@ def _child_environ(server, job_id: int) -> dict[str, str]:
 
 def test_another_tenants_job_is_404_its_child_has_no_keys_and_the_eval_is_admin_only(guarded):
     with guarded.client(KEY_B) as b, guarded.client(KEY_A) as a, guarded.client(ADMIN) as admin:
-        r = b.post("/v1/documents", params={"namespace": "tenant-b"}, json=demo_docs(3, 2, "leak-"))
+        r = b.post("/v1/documents", params={"namespace": "tenant-b"}, json=short_docs(3, 2, "leak-"))
         job = r.json()["job"]
         env = _child_environ(guarded, job["id"])
         assert not {"RAGCACHE_API_KEYS", "RAGCACHE_ADMIN_KEY"} & set(env), sorted(env)
@@ -92,7 +92,7 @@ def test_numbers_too_long_and_json_too_deep_are_422(guarded):
 
 def test_two_ingests_back_to_back_each_get_a_job_and_both_finish(guarded):
     """On SQLite a finished job's child still holds the one-writer lock while it exits: the next job queues."""
-    docs = demo_docs(4, 4, "b2b-")
+    docs = short_docs(4, 4, "b2b-")
     with guarded.client(KEY_A) as a:
         first = a.post("/v1/documents", params={"namespace": "tenant-a"}, json=docs[:2]).json()
         assert first["job"] is not None, first

@@ -17,7 +17,7 @@ from ragcache.meta import BlobStore, Chunk, Job, KVCopy
 from ragcache.parts import Parts
 from tests.ragcache.conftest import REDIS_URL, pg_database
 
-from .conftest import demo_docs, server_env, start_server, write_jsonl
+from .conftest import demo_docs, server_env, short_docs, start_server, write_jsonl
 from .test_documents_jobs import _wait_job
 
 NS = "shared"
@@ -54,7 +54,7 @@ def test_replicas_share_corpus_and_kv_and_a_restart_loses_nothing(shared_db, tmp
     a = start_server(tmp_path / "a" / "home", smollm, **hosts)
     b = None
     try:
-        docs = demo_docs(5, 3, "so-")
+        docs = short_docs(5, 3, "so-")
         with a.client() as c:
             job = c.post("/v1/documents", params={"namespace": NS}, json=docs).json()["job"]
             assert _wait_job(c, job["id"])["state"] == "finished"

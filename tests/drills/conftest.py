@@ -15,7 +15,7 @@ from sqlalchemy import create_engine, func, select
 
 from ragcache.meta import BlobStore, Chunk, KVCopy
 from ragcache.store.codec import checksum
-from tests.api.conftest import demo_docs, start_server
+from tests.api.conftest import start_server
 
 
 def wait_for(condition, timeout: float, what: str, every: float = 0.2):
@@ -26,11 +26,6 @@ def wait_for(condition, timeout: float, what: str, every: float = 0.2):
             return out
         time.sleep(every)
     raise AssertionError(f"not within {timeout:g}s: {what}")
-
-
-def short_docs(question: int, n: int, prefix: str, words: int = 60) -> list[dict]:
-    """demo_docs cut to their first `words` words (about 100 tokens): quick to prefill, small blobs."""
-    return [{**d, "text": " ".join(d["text"].split()[:words])} for d in demo_docs(question, n, prefix)]
 
 
 @pytest.fixture

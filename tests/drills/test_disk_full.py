@@ -12,7 +12,9 @@ import subprocess
 
 import pytest
 
-from .conftest import disk_store_problems, short_docs, wait_for
+from tests.api.conftest import short_docs
+
+from .conftest import disk_store_problems, wait_for
 
 NS = "drill-disk"
 

@@ -14,11 +14,12 @@ import time
 import httpx
 import psycopg
 
+from tests.api.conftest import short_docs
 from tests.api.test_documents_jobs import _wait_job
 from tests.api.test_scale_out import shared_db  # noqa: F401 — the fixture
 from tests.ragcache.conftest import PG_ADMIN
 
-from .conftest import short_docs, wait_for
+from .conftest import wait_for
 
 NS = "drill-pg"
 CLIENTS = 8

@@ -9,10 +9,10 @@ import subprocess
 
 import redis
 
-from tests.api.conftest import free_port
+from tests.api.conftest import free_port, short_docs
 from tests.api.test_documents_jobs import _wait_job
 
-from .conftest import short_docs, wait_for
+from .conftest import wait_for
 
 NS = "drill-redis"
 

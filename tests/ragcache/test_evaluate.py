@@ -22,9 +22,11 @@ DEMO = Path(__file__).resolve().parents[2] / "demo" / "data" / "musique_demo.jso
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
+    """Two questions, each with its first two passages cut to 100 words (about 150 tokens)."""
     path = tmp_path_factory.mktemp("eval") / "tiny.json"
     items = json.loads(DEMO.read_text())[:2]
-    path.write_text(json.dumps([{**q, "ctxs": q["ctxs"][:2]} for q in items]))
+    path.write_text(json.dumps([{**q, "ctxs": [{**c, "text": " ".join(c["text"].split()[:100])} for c in q["ctxs"][:2]]}
+                                for q in items]))
     return path
 
 
@@ -49,7 +51,7 @@ def test_eval_writes_valid_results_and_full_recompute_matches_full(tmp_path, tin
     assert full["f1_vs_full"] == 1 and full["kl_tf"] == 0 and full["top1_agree"] == 1
     assert exact["f1_vs_full"] == 1 and exact["top1_agree"] == 1 and exact["kl_tf"] < 1e-6
     assert exact["recompute_fraction"] == 1 and res["modes"]["reuse"]["recompute_fraction"] == 0
-    assert exact["work_fraction"] == pytest.approx(1) and res["modes"]["reuse"]["work_fraction"] < 0.05
+    assert exact["work_fraction"] == pytest.approx(1) and res["modes"]["reuse"]["work_fraction"] < 0.1  # the question's rows
     assert res["modes"]["reuse"]["speedup_vs_full"] > 1
     probe, probe_exact = res["modes"]["probe@0.1+epic@2"], res["modes"]["probe@1+epic@2"]
     assert probe_exact["kl_tf"] < 1e-6 and probe_exact["top1_agree"] == 1
