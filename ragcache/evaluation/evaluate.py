@@ -26,7 +26,7 @@ from blend.labels import label
 from blend.reweight import Reweight, Reweighted
 from blend.prompt import SEPARATOR, as_ids, encode
 
-from ..config import EVAL_MODES
+from ..config import EVAL_MODES, Settings
 from ..lead import pick_lead
 from ..database import Database
 from ..errors import UserError
@@ -50,8 +50,9 @@ class EvalConfig:
     probe_layers: list[int] = field(default_factory=lambda: [0, 4])  # layers the probe runs through; 0: all
     coverages: list[float] = field(default_factory=lambda: [Adaptive.coverage])  # adaptive: attention covered
     adaptive_layers: int = Adaptive.layers  # adaptive: layers its probe runs through
-    # (temperature, factor): each mode again with APE; the server's default
-    ape: list[tuple[float, float]] = field(default_factory=lambda: [(1.0, 0.5)])
+    # (temperature, factor): each mode again with APE; the server's built-in default
+    ape: list[tuple[float, float]] = field(default_factory=lambda: [(Settings.model_fields["ape_temperature"].default,
+                                                                     Settings.model_fields["ape_factor"].default)])
     a3_ratios: list[float] = field(default_factory=lambda: [0.15])
     a3_window: int = 2
     blendq_ratios: list[float] = field(default_factory=lambda: [0.12])
