@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from .errors import UserError
 from .meta import Base, IndexVersion, Namespace, SchemaInfo
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 _SCHEMA_LOCK = 0x7261676361636865  # PostgreSQL advisory lock key ("ragcache") for schema changes
 _MIGRATIONS: dict[int, list[str]] = {  # version → DDL statements that bring version-1 up to it
     2: ["ALTER TABLE jobs ADD COLUMN error TEXT"],  # (index_versions is a new table: create_all makes it)
@@ -35,6 +35,7 @@ _MIGRATIONS: dict[int, list[str]] = {  # version → DDL statements that bring v
     7: ["ALTER TABLE model_defaults ADD COLUMN points TEXT"],
     8: ["ALTER TABLE model_defaults ADD COLUMN ape VARCHAR(32)"],
     9: [],  # leads is a new table: create_all makes it
+    10: ["ALTER TABLE model_defaults ADD COLUMN chunk_prefill VARCHAR(16)"],
 }
 
 

@@ -173,6 +173,13 @@ class ModelDefault(Base):
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     points: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON [{label, kl, speedup}]: all measured
     ape: Mapped[str | None] = mapped_column(String(32), nullable=True)  # "T,S": the APE measured best
+    # what the chunk KV was computed behind when it was measured (None: before schema 10, when it was `prefixed`)
+    chunk_prefill: Mapped[str | None] = mapped_column(String(16), nullable=True)
+
+    def measured_for(self, chunk_prefill: str) -> bool:
+        """Whether these measurements hold for chunk KV computed as `chunk_prefill` (the KLs, and so the fastest
+        point within a target and the best APE, differ between them)."""
+        return (self.chunk_prefill or "prefixed") == chunk_prefill
 
     def fastest(self, target_kl: float, family: str | None = None) -> str | None:
         """The label of the fastest point measured within `target_kl` (of one mode's labels), else of the

@@ -41,7 +41,8 @@ def calibrate(service, cfg: EvalConfig, target_kl: float, progress: bool = True)
               for label, m in results["modes"].items()]
     ape = best_ape({p["label"]: p["kl"] for p in points})
     row = ModelDefault(fingerprint=service.model.fingerprint, target_kl=target_kl, dataset=str(cfg.dataset),
-                       points=json.dumps(points), ape=None if ape is None else f"{ape[0]:g},{ape[1]:g}")
+                       points=json.dumps(points), ape=None if ape is None else f"{ape[0]:g},{ape[1]:g}",
+                       chunk_prefill=cfg.chunk_prefill)
     label = row.fastest(target_kl)  # full (KL 0) always fits
     chosen = results["modes"][label]
     policy = parse(label)  # the columns from before schema 7: the mode and its knob, for an older reader

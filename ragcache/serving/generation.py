@@ -134,9 +134,11 @@ class Generation:
         return Reweighted(policy, ape) if ape.active and policy.reads_chunk_kv else policy
 
     def _model_default(self) -> ModelDefault | None:
-        """What `ragcache calibrate` stored for this model (read per request: another process may calibrate)."""
+        """What `ragcache calibrate` stored for this model, where it measured chunk KV computed as this server's
+        is (read per request: another process may calibrate)."""
         with self.p.db.session() as ss:
-            return ss.get(ModelDefault, self.p.model.fingerprint)
+            row = ss.get(ModelDefault, self.p.model.fingerprint)
+        return row if row is not None and row.measured_for(self.p.settings.chunk_prefill) else None
 
     def _ape(self, default: ModelDefault | None) -> Reweight:
         """The APE `ragcache calibrate` measured best for this model where `default` holds one; else the

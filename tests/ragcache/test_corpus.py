@@ -178,7 +178,7 @@ def test_a_schema_5_database_gains_staged_versions_and_keeps_serving_its_chunks(
     db.dispose()
 
 
-def test_a_schema_6_database_keeps_its_calibration_and_gains_the_measured_points_and_ape(db_url):
+def test_a_schema_6_database_keeps_its_calibration_and_gains_the_measured_points_ape_and_chunk_prefill(db_url):
     from sqlalchemy import text
 
     from ragcache.meta import ModelDefault
@@ -187,6 +187,7 @@ def test_a_schema_6_database_keeps_its_calibration_and_gains_the_measured_points
     with db.session() as s:  # back to schema 6: a calibration is one mode and its knob
         s.execute(text("ALTER TABLE model_defaults DROP COLUMN points"))
         s.execute(text("ALTER TABLE model_defaults DROP COLUMN ape"))
+        s.execute(text("ALTER TABLE model_defaults DROP COLUMN chunk_prefill"))
         s.execute(text("INSERT INTO model_defaults (fingerprint, mode, param, target_kl, measured_kl, speedup, dataset, "
                        "created) VALUES ('fp', 'probe', 0.2, 0.1, 0.05, 5.0, 'x', CURRENT_TIMESTAMP)"))
         s.execute(update(SchemaInfo).values(version=6))
@@ -196,6 +197,7 @@ def test_a_schema_6_database_keeps_its_calibration_and_gains_the_measured_points
         assert s.get(SchemaInfo, 1).version == SCHEMA_VERSION
         row = s.get(ModelDefault, "fp")
         assert (row.mode, row.param, row.points, row.ape) == ("probe", 0.2, None, None) and row.fastest(0.1) is None
+        assert row.measured_for("prefixed") and not row.measured_for("lead")  # what every calibration measured then
     db.dispose()
 
 

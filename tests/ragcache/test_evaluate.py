@@ -159,6 +159,11 @@ def test_calibrate_stores_the_ape_of_the_lowest_kl_and_the_server_uses_it_unless
     assert served == (Reuse() if best == OFF else Reweighted(Reuse(), Reweight(*best)))
     service.generation.p.settings = Settings(home=home, model=str(smollm.path), ape_temperature=0.9)
     assert service.policy_for("reuse") == Reweighted(Reuse(), Reweight(0.9, 0.5))  # named: the settings win
+    assert row.chunk_prefill == "lead" and service.policy_for("auto").name == "reuse"
+    service.generation.p.settings = Settings(home=home, model=str(smollm.path), chunk_prefill="prefixed")
+    default = Settings()  # measured over chunk KV behind a lead: not this server's, so neither its APE nor its points
+    assert service.policy_for("reuse") == Reweighted(Reuse(), Reweight(default.ape_temperature, default.ape_factor))
+    assert service.policy_for("auto").name == default.mode
     service.close()
 
 
