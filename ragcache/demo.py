@@ -66,7 +66,8 @@ def _run(service: RagCache, settings: Settings, data: Path, questions: list[dict
 
     _step(f"evaluate fidelity vs latency on these questions → {out}/pareto.png")
     cfg = EvalConfig(data, modes=["full", "reuse", "cacheblend", "epic", "probe"], probe_ratios=[settings.probe_ratio],
-                     probe_layers=[settings.probe_layers], top_k=4, limit=len(questions), max_new_tokens=16)
+                     probe_layers=[settings.probe_layers], top_k=4, limit=len(questions), max_new_tokens=16,
+                     chunk_prefill=settings.chunk_prefill)  # chunk KV as this deployment computes it
     results = evaluate(service, cfg)
     write_results(results, out)
     write_results(results, latest_dir(settings.home))

@@ -57,7 +57,7 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: int, base: 
     form = dict(k_group=default.k_group, v_rotate=default.v_rotate, byte_scales=default.byte_scales)
     base_spec = Spec.uniform("compact", layers, *base, **form)
     boosted = Spec.uniform("compact", layers, min(4, base[0] + 1), min(4, base[1] + 1), **form)
-    cfg = EvalConfig(dataset, top_k=top_k, max_new_tokens=16)
+    cfg = EvalConfig(dataset, top_k=top_k, max_new_tokens=16, chunk_prefill=service.settings.chunk_prefill)
     rise, elements = torch.zeros(layers), 0
     layer_bytes = {w: torch.zeros(layers) for w in ("base", "boosted")}
     overhead = 0

@@ -59,7 +59,7 @@ class EvalConfig:
     top_k: int = 4
     retrieval: str = "given"  # given | dense | bm25 | hybrid (retrieve.py)
     rerank: int = 0  # with retrieval: candidates reranked on their chunk KV (by RAGCACHE_RERANKER)
-    chunk_prefill: str = "alone"  # alone | prefixed | lead
+    chunk_prefill: str = Settings.model_fields["chunk_prefill"].default  # alone | prefixed | lead
     kv_dtype: str = "auto"
     codec: str = "raw"  # RAGCACHE_KV_CODEC: every chunk KV goes through its encode and decode, as a disk hit would
     tier: str = "cpu"  # cpu | disk
