@@ -72,6 +72,13 @@ def _settings(env: dict) -> Settings:
     return Settings(**{k.removeprefix("RAGCACHE_").lower(): v for k, v in env.items() if k.startswith("RAGCACHE_")})
 
 
+def _ingest(path: Path, env: dict) -> None:
+    """Ingest in this process: what the tests below run as commands is precompute (`ingest`'s command is run in
+    test_cli and by test_documents_jobs)."""
+    with RagCache(_settings(env)) as service:
+        service.ingest(path)
+
+
 def _agree(env: dict) -> int:
     """Every chunk done exactly once; SQL, store and index agree. Returns the chunk count."""
     settings = _settings(env)
@@ -102,8 +109,7 @@ def _done(env: dict) -> int:
 
 def test_killed_precompute_resumes_and_does_every_chunk_once(tmp_path, corpus, smollm):
     env = _env(tmp_path / "home", smollm)
-    r = _ragcache("ingest", str(corpus), env=env)
-    assert r.returncode == 0, r.stderr
+    _ingest(corpus, env)
     rng = random.Random(3)
     kills = 0
     for round_ in range(6):
@@ -133,7 +139,7 @@ def test_two_workers_share_a_job_on_postgresql(tmp_path, corpus, smollm):
     url, drop = pg_database()
     try:
         env = _env(tmp_path / "home", smollm, url)
-        assert _ragcache("ingest", str(corpus), env=env).returncode == 0
+        _ingest(corpus, env)
         r = _ragcache("precompute", "--workers", "2", "--quiet", env=env, timeout=600)
         assert r.returncode == 0, r.stderr
         n = _agree(env)
@@ -149,7 +155,7 @@ def test_two_workers_share_a_job_on_postgresql(tmp_path, corpus, smollm):
 
 def test_sqlite_takes_one_worker_at_a_time(tmp_path, corpus, smollm):
     env = _env(tmp_path / "home", smollm)
-    assert _ragcache("ingest", str(corpus), env=env).returncode == 0
+    _ingest(corpus, env)
     r = _ragcache("precompute", "--workers", "2", env=env)
     assert r.returncode == 2 and "one precompute worker" in r.stderr and "Traceback" not in r.stderr
     first = subprocess.Popen([sys.executable, "-m", "ragcache.cli", "precompute", "--quiet"], env=env,
@@ -169,7 +175,7 @@ def test_a_failing_chunk_is_recorded_and_the_job_goes_on(tmp_path, smollm):
     docs.write_text(json.dumps({"id": "ok", "text": "Paris is in France."}) + "\n" +
                     json.dumps({"id": "huge", "text": long}) + "\n")
     env = _env(tmp_path / "home", smollm, RAGCACHE_CHUNK_TOKENS=20000, RAGCACHE_RETRY_BACKOFF_S=0.1)
-    assert _ragcache("ingest", str(docs), env=env).returncode == 0
+    _ingest(docs, env)
     r = _ragcache("precompute", "--quiet", env=env)
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "done=1 failed=1 skipped=0 rekeyed=0", \
         r.stdout + r.stderr
