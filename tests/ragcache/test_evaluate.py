@@ -138,25 +138,26 @@ def test_calibrate_stores_the_fastest_mode_within_the_target(tmp_path, tiny, smo
     service.close()
 
 
-def test_calibrate_stores_the_ape_of_the_lowest_kl_and_the_server_uses_it_unless_its_settings_name_one(tmp_path, tiny,
-                                                                                                      smollm):
-    from ragcache.evaluation.calibrate import OFF, best_ape, calibrate
+def test_calibrate_measures_the_servers_own_ape_beside_the_variants_and_the_server_uses_what_it_stores(tmp_path, tiny,
+                                                                                                        smollm):
+    from ragcache.evaluation.calibrate import calibrate
     from ragcache.meta import ModelDefault
     from ragcache.service import RagCache
 
     home = tmp_path / "home"
     service = RagCache(Settings(home=home, model=str(smollm.path)))
+    server = (service.settings.ape_temperature, service.settings.ape_factor)
     cfg = EvalConfig(tiny, modes=["full", "reuse"], top_k=2, max_new_tokens=4, ape=[(0.8, 0.25)])  # and none
     choice = calibrate(service, cfg, target_kl=10.0, progress=False)
     with service.db.session() as s:
         row = s.get(ModelDefault, service.model.fingerprint)
     kls = {p["label"]: p["kl"] for p in json.loads(row.points)}
-    assert set(kls) == {"full", "reuse", "reuse+ape@0.8,0.25"}
-    best = min([OFF, (0.8, 0.25)],
-               key=lambda ts: kls["reuse" if ts == OFF else f"reuse+ape@{ts[0]:g},{ts[1]:g}"])
-    assert choice.ape == best_ape(kls) == best and row.ape == f"{best[0]:g},{best[1]:g}"
-    served = service.policy_for("reuse")  # the settings name no APE: the calibrated one
-    assert served == (Reuse() if best == OFF else Reweighted(Reuse(), Reweight(*best)))
+    assert set(kls) == {"full", "reuse", "reuse+ape@0.8,0.25", f"reuse+ape@{server[0]:g},{server[1]:g}"}
+    assert choice.ape.n == 2 and choice.ape.ape == server  # 2 questions: no variant beats the server's beyond chance
+    assert row.ape == f"{server[0]:g},{server[1]:g}" and "APE for this model" in choice.line()
+    with service.db.session() as s:  # a calibration that found another APE: the server serves it
+        s.get(ModelDefault, service.model.fingerprint).ape = "0.8,0.25"
+    assert service.policy_for("reuse") == Reweighted(Reuse(), Reweight(0.8, 0.25))
     service.generation.p.settings = Settings(home=home, model=str(smollm.path), ape_temperature=0.9)
     assert service.policy_for("reuse") == Reweighted(Reuse(), Reweight(0.9, 0.5))  # named: the settings win
     assert row.chunk_prefill == "lead" and service.policy_for("auto").name == "reuse"
@@ -167,14 +168,31 @@ def test_calibrate_stores_the_ape_of_the_lowest_kl_and_the_server_uses_it_unless
     service.close()
 
 
-def test_the_best_ape_is_the_lowest_mean_kl_over_the_modes_measured_with_every_variant():
-    from ragcache.evaluation.calibrate import best_ape
+def _questions(kls: dict[str, list[float]]) -> list[dict]:
+    """An eval's per_question from each label's KL per question."""
+    n = len(next(iter(kls.values())))
+    return [{"modes": {text: {"kl_tf": v[i]} for text, v in kls.items()}} for i in range(n)]
 
-    kls = {"full": 0.0, "reuse": 0.10, "probe@0.1": 0.06, "epic@16": 0.2,  # epic has no APE variant: not compared
-           "reuse+ape@1,0.5": 0.07, "probe@0.1+ape@1,0.5": 0.05, "reuse+ape@0.9,0.4": 0.06, "probe@0.1+ape@0.9,0.4": 0.07}
-    assert best_ape(kls) == (1.0, 0.5)  # means 0.060 and 0.065 against no APE's 0.080
-    assert best_ape({**kls, "reuse+ape@1,0.5": 0.2, "reuse+ape@0.9,0.4": 0.2}) == (1.0, 1.0)  # APE hurts: off
-    assert best_ape({"full": 0.0, "reuse": 0.1}) is None  # no variant measured
+
+def test_an_ape_displaces_the_servers_only_where_lower_on_the_same_questions_beyond_chance():
+    from ragcache.evaluation.calibrate import OFF, ape_kls, pick_ape
+    from ragcache.evaluation.paired import p_lower
+
+    server, other = (1.0, 0.5), (0.9, 0.4)
+    kls = {"full": [0.0] * 6, "reuse": [0.10] * 6, "probe@0.1": [0.06] * 6, "epic@16": [0.2] * 6,  # epic: no APE
+           "reuse+ape@1,0.5": [0.07] * 6, "probe@0.1+ape@1,0.5": [0.05] * 6,  # variant: not compared
+           "reuse+ape@0.9,0.4": [0.05] * 6, "probe@0.1+ape@0.9,0.4": [0.04] * 6}
+    assert ape_kls(_questions(kls))[other] == pytest.approx([0.045] * 6)  # the mean over reuse and probe
+    pick = pick_ape(_questions(kls), server)  # lower on all 6 questions: p = 1/64
+    assert pick.ape == other and pick.p == pytest.approx(1 / 64) and pick.mean[OFF] == pytest.approx(0.08)
+    one = {**kls, "reuse+ape@0.9,0.4": [0.07] * 5 + [-0.01], "probe@0.1+ape@0.9,0.4": [0.05] * 5 + [-0.05]}
+    pick = pick_ape(_questions(one), server)  # its mean is lower (0.052 against 0.06), all of it one question's
+    assert pick.mean[other] < pick.mean[server] and pick.ape == server and pick.p > 0.05
+    assert "within chance" in pick.line() and "temperature 1, factor 0.5" in pick.line()
+    worse = {**kls, "reuse+ape@1,0.5": [0.2] * 6, "reuse+ape@0.9,0.4": [0.2] * 6}
+    assert pick_ape(_questions(worse), server).ape == OFF  # APE hurts on every question: off
+    assert pick_ape(_questions({"full": [0.0], "reuse": [0.1]}), server) is None  # no variant measured
+    assert p_lower([0.0] * 3) == 1 and p_lower([-1.0, 1.0]) == 0.75 and p_lower([-1.0] * 20) < 1e-3  # 20: sampled
 
 
 def test_calibrated_points_give_the_fastest_within_a_target_else_the_closest():
