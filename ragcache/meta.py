@@ -173,7 +173,8 @@ class ModelDefault(Base):
     created: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     points: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON [{label, kl, speedup}]: all measured
     ape: Mapped[str | None] = mapped_column(String(32), nullable=True)  # "T,S": the APE measured best
-    # what the chunk KV was computed behind when it was measured (None: before schema 10, when it was `prefixed`)
+    # what the chunk KV was computed as when measured (None: before schema 10; taken as `prefixed`, the default then
+    # but for the last release)
     chunk_prefill: Mapped[str | None] = mapped_column(String(16), nullable=True)
 
     def measured_for(self, chunk_prefill: str) -> bool:

@@ -51,7 +51,8 @@ def test_eval_writes_valid_results_and_full_recompute_matches_full(tmp_path, tin
     assert full["f1_vs_full"] == 1 and full["kl_tf"] == 0 and full["top1_agree"] == 1
     assert exact["f1_vs_full"] == 1 and exact["top1_agree"] == 1 and exact["kl_tf"] < 1e-6
     assert exact["recompute_fraction"] == 1 and res["modes"]["reuse"]["recompute_fraction"] == 0
-    assert exact["work_fraction"] == pytest.approx(1) and res["modes"]["reuse"]["work_fraction"] < 0.1  # the question's rows
+    assert exact["work_fraction"] == pytest.approx(1)
+    assert res["modes"]["reuse"]["work_fraction"] < 0.1  # the question's rows, against ~300 passage tokens
     assert res["modes"]["reuse"]["speedup_vs_full"] > 1
     probe, probe_exact = res["modes"]["probe@0.1+epic@2"], res["modes"]["probe@1+epic@2"]
     assert probe_exact["kl_tf"] < 1e-6 and probe_exact["top1_agree"] == 1
@@ -179,8 +180,9 @@ def test_an_ape_displaces_the_servers_only_where_lower_on_the_same_questions_bey
     from ragcache.evaluation.paired import p_lower
 
     server, other = (1.0, 0.5), (0.9, 0.4)
-    kls = {"full": [0.0] * 6, "reuse": [0.10] * 6, "probe@0.1": [0.06] * 6, "epic@16": [0.2] * 6,  # epic: no APE
-           "reuse+ape@1,0.5": [0.07] * 6, "probe@0.1+ape@1,0.5": [0.05] * 6,  # variant: not compared
+    kls = {"full": [0.0] * 6, "reuse": [0.10] * 6, "probe@0.1": [0.06] * 6,
+           "epic@16": [0.2] * 6,  # no APE variant of it: not compared
+           "reuse+ape@1,0.5": [0.07] * 6, "probe@0.1+ape@1,0.5": [0.05] * 6,  # the server's APE
            "reuse+ape@0.9,0.4": [0.05] * 6, "probe@0.1+ape@0.9,0.4": [0.04] * 6}
     assert ape_kls(_questions(kls))[other] == pytest.approx([0.045] * 6)  # the mean over reuse and probe
     pick = pick_ape(_questions(kls), server)  # lower on all 6 questions: p = 1/64
