@@ -26,14 +26,14 @@ class ApePick:
     """The APE (temperature, factor) the server is to use: the lowest mean KL measured where it is lower than the
     server's own on the same questions beyond chance (paired.py), else the server's own."""
     ape: tuple[float, float]
+    lowest: tuple[float, float]  # the lowest mean KL measured (ties: the server's)
     server: tuple[float, float]  # the settings' APE (OFF: none), always among those measured
     mean: dict[tuple[float, float], float]  # mean teacher-forced KL per APE measured
     p: float  # one-sided p of the lowest's KL being under the server's by chance (1 where the server's is lowest)
     n: int  # questions
 
     def line(self) -> str:
-        lowest = min(self.mean, key=lambda ts: (self.mean[ts], ts != self.server))
-        name = _name(self.ape)
+        lowest, name = self.lowest, _name(self.ape)
         if lowest == self.server:
             why = f"the server's own, the lowest mean KL of the {len(self.mean)} measured ({self.mean[lowest]:.4f})"
         elif self.ape == lowest:
@@ -109,6 +109,6 @@ def pick_ape(per_question: list[dict], server: tuple[float, float]) -> ApePick |
     mean = {ape: sum(v) / len(v) for ape, v in kls.items()}
     lowest = min(mean, key=lambda ape: (mean[ape], ape != server))
     if server not in kls:  # not measured (a caller other than calibrate): nothing to hold it against
-        return ApePick(lowest, lowest, mean, 1.0, len(per_question))
+        return ApePick(lowest, lowest, lowest, mean, 1.0, len(per_question))
     p = 1.0 if lowest == server else p_lower([a - b for a, b in zip(kls[lowest], kls[server])])
-    return ApePick(lowest if p < ALPHA else server, server, mean, p, len(per_question))
+    return ApePick(lowest if p < ALPHA else server, lowest, server, mean, p, len(per_question))
