@@ -4,22 +4,27 @@ Each layer's sensitivity is measured alone: that layer's KV through the codec at
 other layer exact, on real chunks of the given dev questions; its cost is the rise of the teacher-forced
 KL against full prefill in reuse mode (the mode that trusts stored KV most) over the exact store's. The
 most sensitive layers get one more bit for K and V, as many as keep the mean under `max_bits` per
-element (every scale, sum and header counted, on those chunks). K's token blocks and V's rotation are the
+element (every scale, sum and header counted, on those chunks). The chunks' KV is computed as the deployment
+computes it (RAGCACHE_CHUNK_PREFILL; a lead is picked from the other questions' passages, as `ragcache eval` picks
+it, unless RAGCACHE_CHUNK_LEAD names one). K's token blocks and V's rotation are the
 uncalibrated default's (codecs.DEFAULT). The widths are stored per model in
 RAGCACHE_HOME/codec/ (store/codecs.py), where `RAGCACHE_KV_CODEC=compact` finds them.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from blend import ChunkKV, Full, Reuse, compute_chunk
-from blend.prompt import as_ids, encode as tokenize
+from blend import ChunkKV, Full, PrefixKV, Reuse, compute_chunk
+from blend.prompt import SEPARATOR, as_ids, encode as tokenize
 
+from ..errors import UserError
 from ..store import decode, encode
 from ..store.codec import rotate_k, to_bytes
 from ..store.codecs import DEFAULT, save_calibration, spec_for
 from ..store.compact import Spec
-from .evaluate import EvalConfig, _run_mode, load_dataset
+from .evaluate import EvalConfig, _run_mode, dataset_lead, load_dataset
 from .scores import kl
 
 
@@ -43,7 +48,8 @@ def _mixed(exact: ChunkKV, k_pre: torch.Tensor, coded: ChunkKV, layer: int | Non
 
 
 def _kl_tf(service, chunks, suffix, cfg, full) -> float:
-    out = _run_mode(service, _Given(chunks), list(range(len(chunks))), suffix, Reuse(), cfg,
+    """Reuse over `chunks`, teacher-forced along full prefill's answer (its own answer, one token, unused)."""
+    out = _run_mode(service, _Given(chunks), list(range(len(chunks))), suffix, Reuse(), replace(cfg, max_new_tokens=1),
                     reference=full["answer_ids"])
     m = min(len(full["tf"]), len(out["tf"]))
     return float(kl(full["tf"][:m], out["tf"][:m]).mean())
@@ -57,13 +63,13 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: int, base: 
     form = dict(k_group=default.k_group, v_rotate=default.v_rotate, byte_scales=default.byte_scales)
     base_spec = Spec.uniform("compact", layers, *base, **form)
     boosted = Spec.uniform("compact", layers, min(4, base[0] + 1), min(4, base[1] + 1), **form)
-    cfg = EvalConfig(dataset, top_k=top_k, max_new_tokens=16, chunk_prefill=service.settings.chunk_prefill)
+    cfg = EvalConfig(dataset, top_k=top_k, max_new_tokens=16)
     rise, elements = torch.zeros(layers), 0
     layer_bytes = {w: torch.zeros(layers) for w in ("base", "boosted")}
     overhead = 0
-    items = load_dataset(dataset, None)[first : first + count]
+    items, behind = measured(service, dataset, first, count)
     for n, item in enumerate(items):
-        chunks = [compute_chunk(runner, as_ids(tokenize(service.tokenizer, c["text"] + "\n\n")), service.prefix)
+        chunks = [compute_chunk(runner, as_ids(tokenize(service.tokenizer, c["text"] + SEPARATOR)), behind)
                   for c in item["ctxs"][:top_k]]
         suffix = as_ids(tokenize(service.tokenizer, "Question: " + item["question"]) + service.frame.tail)
         full = _run_mode(service, _Given(chunks), list(range(len(chunks))), suffix, Full(), cfg)
@@ -94,9 +100,21 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: int, base: 
     spec = Spec.uniform("compact", layers, *base, boost=tuple(chosen), **form)
     report = {"base": list(base), "boosted_layers": sorted(chosen), "bits_per_element": bits(set(chosen)),
               "kl_rise_per_layer": [round(float(x), 6) for x in rise], "questions": [first, first + len(items)],
-              "dataset": str(dataset), "top_k": top_k}
+              "dataset": str(dataset), "top_k": top_k, "chunk_prefill": service.settings.chunk_prefill}
     save_calibration(service.settings.home, service.model.fingerprint, spec, report)
     return spec, report
+
+
+def measured(service, dataset, first: int, count: int) -> tuple[list[dict], PrefixKV | None]:
+    """Questions first.. (count of them) of `dataset`, and what their chunks' KV is computed behind: the deployment's
+    chunk prefix, its lead (if any) from the passages of the file's other questions."""
+    every = load_dataset(dataset, None)
+    if not 0 <= first < len(every):
+        raise UserError(f"--first {first}: {dataset} holds questions 0-{len(every) - 1}")
+    items = every[first : first + count]
+    how = service.settings.chunk_prefill
+    lead = dataset_lead(service, every[:first] + every[first + count:] or every) if how == "lead" else None
+    return items, service.chunk_prefix(how=how, lead=lead)
 
 
 def command(service, args) -> int:
@@ -104,6 +122,7 @@ def command(service, args) -> int:
     _, report = calibrate_codec(service, args.dataset, args.first, args.count, args.top_k, (args.k_bits, args.v_bits),
                                 args.max_bits, progress=(lambda _: None) if args.quiet else print)
     print(f"compact for this model: K {args.k_bits} and V {args.v_bits} bits ({DEFAULT}'s blocks), one more in layers "
-          f"{report['boosted_layers']}: {report['bits_per_element']:.2f} bits per element on the dev chunks; "
+          f"{report['boosted_layers']}: {report['bits_per_element']:.2f} bits per element on the dev chunks "
+          f"({report['chunk_prefill']} chunk KV); "
           "RAGCACHE_KV_CODEC=compact uses it")
     return 0

@@ -246,3 +246,30 @@ def test_frontier_keeps_the_modes_nothing_beats_on_speed_and_kl():
              "b": {"speedup_vs_full": 6.0, "kl_tf": 0.05}, "c": {"speedup_vs_full": 20.0, "kl_tf": 0.1},
              "d": {"speedup_vs_full": 4.0, "kl_tf": 0.05}}
     assert frontier(modes) == ["c", "b", "full"]  # a is slower and worse than b; d ties b's KL, slower
+
+
+def test_calibrate_codec_boosts_the_most_sensitive_layers_of_the_deployments_chunk_kv_and_compact_then_uses_them(
+        tmp_path, tiny, smollm):
+    """`ragcache calibrate-codec` on one question: its chunks computed behind the deployment's lead (picked from the
+    other question's passages, as `eval` picks it); the layers given one more bit are the most sensitive measured,
+    within the bits asked for; `compact` is then those widths."""
+    from ragcache import RagCache
+    from ragcache.evaluation.codec_calibrate import calibrate_codec, measured
+    from ragcache.evaluation.evaluate import dataset_lead
+    from ragcache.store.codecs import DEFAULT
+
+    with RagCache(Settings(home=tmp_path, model=str(smollm.path), chunk_prefill="lead")) as service:
+        items, behind = measured(service, tiny, 0, 1)
+        lead = dataset_lead(service, load_dataset(tiny, None)[1:])
+        assert [i["question"] for i in items] == [load_dataset(tiny, None)[0]["question"]]
+        assert behind.key == service.chunk_prefix(how="lead", lead=lead).key != service.prefix.key
+        assert service.codec_spec("compact") == service.codec_spec(DEFAULT)  # not calibrated yet
+        spec, report = calibrate_codec(service, tiny, 0, 1, 2, (3, 3), 3.2, progress=lambda _: None)
+        rise, boosted = report["kl_rise_per_layer"], report["boosted_layers"]
+        assert report["chunk_prefill"] == "lead" and len(rise) == service.runner.num_layers
+        assert 0 < len(boosted) < len(rise) and report["bits_per_element"] <= 3.2
+        assert min(rise[l] for l in boosted) >= max(r for l, r in enumerate(rise) if l not in boosted)
+        assert spec.k_bits == tuple(4 if l in boosted else 3 for l in range(len(rise))) == spec.v_bits
+        assert service.codec_spec("compact") == spec
+        with pytest.raises(UserError, match="--first 2"):
+            measured(service, tiny, 2, 1)
