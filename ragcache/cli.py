@@ -117,7 +117,9 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     b.add_argument("--question", type=int, default=0, help="blend: which question's passages")
     b.add_argument("--passages", type=_ints, default=None,
                    help="blend, store: passage counts (4,10); coverage: top-k values (1,2,4,8,10)")
-    b.add_argument("--chunk-prefill", choices=("prefixed", "alone"), default="alone")
+    b.add_argument("--chunk-prefill", choices=("alone", "prefixed", "lead"), default=None,
+                   help="what chunk KV is computed behind: blend (alone, prefixed; default alone), store's fidelity "
+                        "(any; default prefixed, issue 24's measure; lead: picked from the questions past --limit)")
     b.add_argument("--window", type=int, default=0,
                    help="coverage: index passages cut into pieces of at most this many embedder tokens (0: whole)")
     b.add_argument("--questions", default=None, help="coverage: A-B, the questions measured (default: all)")

@@ -18,6 +18,9 @@ def run(settings, args) -> int:
     if not 0 <= args.question < len(data):
         raise UserError(f"--question must be in [0, {len(data)}) for {args.dataset}")
     item = data[args.question]
+    how = args.chunk_prefill or "alone"
+    if how == "lead":
+        raise UserError("bench blend computes chunk KV alone or prefixed; lead is measured by `ragcache eval`")
     model = load_model(settings.model, settings.home, settings.device, settings.dtype)
     runner = Runner(model)
     tok = model.tokenizer
@@ -26,7 +29,7 @@ def run(settings, args) -> int:
     suffix = as_ids(encode(tok, "\nQuestion: " + item["question"]) + frame.tail)
     for n in args.passages or [4, 10]:
         texts = [c["text"] + "\n\n" for c in item["ctxs"][:n]]
-        chunks = [compute_chunk(runner, as_ids(encode(tok, t)), None if args.chunk_prefill == "alone" else prefix)
+        chunks = [compute_chunk(runner, as_ids(encode(tok, t)), None if how == "alone" else prefix)
                   for t in texts]
         results = {}
 
@@ -55,7 +58,7 @@ def run(settings, args) -> int:
             rows.append([name, median(ts), speedup, res.work_fraction, ideal, speedup / ideal,
                          stages["assemble"] * 1000])
         print(f"\n{n} passages, {total} tokens (prefix {len(prefix)}, suffix {suffix.numel()}), chunks computed "
-              f"{args.chunk_prefill}; {model.name} {model.dtype} on {model.device}; "
+              f"{how}; {model.name} {model.dtype} on {model.device}; "
               f"median of {args.repeats} interleaved repeats")
         print(table(rows, ["mode", "TTFT s", "speedup vs full", "recomputed", "ideal", "efficiency",
                            "assemble ms (last)"]))

@@ -166,7 +166,9 @@ def _codec_parts(settings, args, root: Path, parts: set[str]) -> None:
                 rows += ttft(service, item, real_chunks(service, item, n), ["raw", *args.codecs], root, args.repeats)
             print_ttft(rows, args.repeats)
         if "fidelity" in parts:
-            print_fidelity(fidelity(service, args.dataset, args.codecs, passages, args.limit, root), args.limit)
+            how = args.chunk_prefill or "prefixed"
+            print_fidelity(fidelity(service, args.dataset, args.codecs, passages, args.limit, root, how), args.limit,
+                           how)
 
 
 def run(settings, args) -> int:

@@ -10,7 +10,7 @@ import torch
 
 from blend import Full
 
-from ..evaluation.evaluate import EvalConfig, _Passages, _run_mode, load_dataset, policies
+from ..evaluation.evaluate import EvalConfig, _Passages, _run_mode, dataset_lead, load_dataset, policies
 from ..evaluation.scores import kl
 from ..store import decode, encode
 from ..store.codec import to_bytes
@@ -62,22 +62,26 @@ def print_sizes(rows: list[list], chunks: list, model) -> None:
                        "decode ms per 512 tokens"]))
 
 
-def fidelity(service, dataset: str, codecs: list[str], passages: list[int], limit: int, root: Path) -> list[list]:
+def fidelity(service, dataset: str, codecs: list[str], passages: list[int], limit: int, root: Path,
+             chunk_prefill: str = "prefixed") -> list[list]:
     """ΔKL (teacher-forced, and first token) and Δ top-1 agreement of each codec against raw float32, per mode;
-    full prefill (the reference) computed once per question, every codec's chunks through encode and decode."""
+    full prefill (the reference) computed once per question, every codec's chunks through encode and decode, each
+    computed behind `chunk_prefill` (lead: picked from the passages of the questions past `limit`, as eval does)."""
     from blend.prompt import as_ids, encode as tokenize
 
-    data = load_dataset(Path(dataset), limit)
+    every = load_dataset(Path(dataset), None)
+    data = every[:limit] if limit else every
+    lead = dataset_lead(service, every[limit:] or every) if chunk_prefill == "lead" else None
     rows = []
     for n in passages:
         cfg = EvalConfig(Path(dataset), modes=["reuse", "cacheblend", "epic", "probe"], ratios=[0.15], epic_ks=[16],
-                         probe_ratios=[0.1], probe_layers=[0], ape=[], top_k=n, chunk_prefill="prefixed",
+                         probe_ratios=[0.1], probe_layers=[0], ape=[], top_k=n, chunk_prefill=chunk_prefill,
                          kv_dtype="float32", max_new_tokens=16)
         modes = policies(cfg)[1:]  # full is the reference
         stores = {}
         for codec in ["raw", *codecs]:
             (root / f"fidelity-{n}-{codec}").mkdir()
-            stores[codec] = _Passages(service, replace(cfg, codec=codec), root / f"fidelity-{n}-{codec}")
+            stores[codec] = _Passages(service, replace(cfg, codec=codec), root / f"fidelity-{n}-{codec}", lead)
         sums: dict[tuple[str, str], list[float]] = {}
         t0 = time.perf_counter()
         for item in data:
@@ -105,8 +109,8 @@ def fidelity(service, dataset: str, codecs: list[str], passages: list[int], limi
     return rows
 
 
-def print_fidelity(rows: list[list], limit: int) -> None:
-    print(f"\nfidelity against full prefill, first {limit} dev questions, chunks prefixed: each codec's ΔKL against "
-          "the float32 store (raw) in the same run")
+def print_fidelity(rows: list[list], limit: int, chunk_prefill: str = "prefixed") -> None:
+    print(f"\nfidelity against full prefill, first {limit} dev questions, chunks {chunk_prefill}: each codec's ΔKL "
+          "against the float32 store (raw) in the same run")
     print(table(rows, ["passages", "mode", "codec", "KL tf (float32 store)", "ΔKL tf", "ΔKL first",
                        "top-1 (float32 store)", "Δ top-1"]))

@@ -77,6 +77,7 @@ def _bad_files(tmp: Path) -> dict[str, Path]:
     (["ask", "what?"], {"RAGCACHE_RETRIEVAL": "sparse"}, "setting retrieval"),
     (["bench", "blend", "--repeats", "0"], {}, "must be >= 1"),
     (["bench", "blend", "--question", "99999"], {}, "--question must be in [0, "),
+    (["bench", "blend", "--chunk-prefill", "lead"], {}, "lead is measured by `ragcache eval`"),
 ])
 def test_bad_input_is_one_named_line(tmp_path, monkeypatch, capsys, args, env, words):
     """In this process (the command's `main`, as `python -m ragcache.cli` runs it; the tests above start it for
