@@ -71,7 +71,7 @@ def fidelity(service, dataset: str, codecs: list[str], passages: list[int], limi
 
     every = load_dataset(Path(dataset), None)
     data = every[:limit] if limit else every
-    lead = dataset_lead(service, every[limit:] or every) if chunk_prefill == "lead" else None
+    lead = dataset_lead(service, every[limit:] or every, chunk_prefill)
     rows = []
     for n in passages:
         cfg = EvalConfig(Path(dataset), modes=["reuse", "cacheblend", "epic", "probe"], ratios=[0.15], epic_ks=[16],

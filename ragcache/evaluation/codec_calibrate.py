@@ -113,7 +113,7 @@ def measured(service, dataset, first: int, count: int) -> tuple[list[dict], Pref
         raise UserError(f"--first {first}: {dataset} holds questions 0-{len(every) - 1}")
     items = every[first : first + count]
     how = service.settings.chunk_prefill
-    lead = dataset_lead(service, every[:first] + every[first + count:] or every) if how == "lead" else None
+    lead = dataset_lead(service, every[:first] + every[first + count:] or every, how)
     return items, service.chunk_prefix(how=how, lead=lead)
 
 

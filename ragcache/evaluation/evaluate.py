@@ -151,9 +151,11 @@ class _Passages:
         return [decode_kv(hit.entry, m.dtype, m.device) for hit in self.store.get_many(keys)]
 
 
-def dataset_lead(service, others: list[dict]) -> str:
-    """chunk_prefill=lead: RAGCACHE_CHUNK_LEAD, else the lead a deployment of these questions' passages would pick
-    (lead.py)."""
+def dataset_lead(service, others: list[dict], how: str = "lead") -> str | None:
+    """chunk_prefill `how` = lead: RAGCACHE_CHUNK_LEAD, else the lead a deployment of these questions' passages would
+    pick (lead.py); None for any other chunk prefill."""
+    if how != "lead":
+        return None
     if service.settings.chunk_lead:
         return service.settings.chunk_lead
     texts = sorted({c["text"] for item in others for c in item["ctxs"]})
@@ -203,7 +205,7 @@ def evaluate(service, cfg: EvalConfig, progress: bool = True) -> dict:
     with tempfile.TemporaryDirectory(prefix="ragcache-eval-") as tmp:
         root = Path(tmp)
         # a lead from the questions not evaluated (from every one if the run takes all)
-        lead = dataset_lead(service, every[len(data):] or every) if cfg.chunk_prefill == "lead" else None
+        lead = dataset_lead(service, every[len(data):] or every, cfg.chunk_prefill)
         passages = _Passages(service, cfg, root, lead)
         retrieve = retriever(service, cfg, data, root, passages)
         bar = _bar(len(data), progress)
