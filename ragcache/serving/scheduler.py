@@ -34,7 +34,7 @@ import time
 from typing import Any, Callable
 
 from blend.batch import decode_batch, fuse_batch
-from blend.cores import claim_cores
+from blend.cores import claim_cores, hand_over_quickly
 
 from .admission import Admission, Limits
 from .piecewise import Piecewise
@@ -57,6 +57,7 @@ class Scheduler:
         self._piecewise: Piecewise | None = None  # a long prompt recomputed across steps
         self._piece_next = True  # whether the next step runs the piecewise prefill's piece, or offers a batch
         self._stop = False
+        hand_over_quickly()  # the model thread's ops beside the other threads' Python (blend/cores.py)
         self._side = SideWorker(self._cond, self.admission.leave)  # both share the lock
         self._prep_thread = PrepThread(service, self._cond, self._hand_over, self.admission.leave, self._side)
         self._model_thread = threading.Thread(target=self._model_loop, name="ragcache-model", daemon=True)
@@ -267,8 +268,10 @@ class Scheduler:
                 self._cond.notify()
 
     def _share_cores(self) -> None:
-        """Take every core, less what running precompute jobs use (read without the jobs lock: never a wait)."""
-        claim_cores(self.service.settings.thread_count(self.service.jobs.working()))
+        """Take every core, less what running precompute jobs use (read without the jobs lock: never a wait) and
+        one while the side worker runs an item: an ingest's chunking and SQL keep a core busy, and an OpenMP team
+        with a thread on that core waits for it at every op (BENCHMARKS.md, "An ingest beside a generate")."""
+        claim_cores(max(1, self.service.settings.thread_count(self.service.jobs.working()) - min(self._side.busy, 1)))
 
     # ---- shutting down --------------------------------------------------------------------------
 

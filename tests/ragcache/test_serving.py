@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -9,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from blend.cores import claim_cores
+from blend.cores import SWITCH_S, claim_cores
 from blend.prompt import QUESTION, chat_frame, conversation, encode
 from ragcache.config import Settings
 from ragcache.errors import Busy
@@ -88,8 +89,8 @@ def test_earlier_turns_follow_the_passages_and_a_system_prompt_makes_its_own_hea
         conversation(tok, "x", [("user", "q"), ("assistant", "a")])
 
 
-def _scheduler(max_queue: int) -> Scheduler:
-    settings = Settings(threads=1)
+def _scheduler(max_queue: int, threads: int = 1) -> Scheduler:
+    settings = Settings(threads=threads)
     service = SimpleNamespace(settings=settings, jobs=SimpleNamespace(working=lambda: 0),
                               generation=SimpleNamespace(prefixes=PrefixCache(SimpleNamespace(settings=settings))))
     return Scheduler(service, max_queue)
@@ -149,6 +150,31 @@ def test_side_work_runs_torch_on_one_core_and_leaves_the_others_their_count():
     worker.join()
     assert torch.get_num_threads() == before and later == [2]
     sched.close()
+
+
+def test_the_model_thread_leaves_a_core_to_side_work_and_takes_the_lock_back_quickly():
+    """While the side worker runs an item (an ingest's Python keeps a core busy) the model thread's team is a
+    thread smaller, and every thread waits at most SWITCH_S for the interpreter lock: beside an ingest, a
+    generate's small ops each waited out the default 5 ms (blend/cores.py)."""
+    claim_cores()
+    before, interval = torch.get_num_threads(), sys.getswitchinterval()
+    sched = _scheduler(max_queue=4, threads=2)
+    assert sys.getswitchinterval() == pytest.approx(SWITCH_S)
+    release, started = threading.Event(), threading.Event()
+    sched.submit(lambda _t: (started.set(), release.wait(30)), lambda k, p: None)
+    assert started.wait(30)
+    sched._share_cores()  # what every step does first, here on this thread
+    assert torch.get_num_threads() == 1
+    release.set()
+    deadline = time.monotonic() + 30
+    while sched.running:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    sched._share_cores()
+    assert torch.get_num_threads() == 2
+    sched.close()
+    claim_cores(before)
+    sys.setswitchinterval(interval)
 
 
 def test_close_cancels_what_waits():
