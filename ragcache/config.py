@@ -157,12 +157,12 @@ class Settings(BaseSettings):
         cores = os.cpu_count() or 1
         return self.job_threads or max(1, cores // 2)
 
-    def thread_count(self, jobs_running: int = 0) -> int:
-        """This process's torch threads: the setting, else every core not lent to running jobs."""
-        if self.threads:
-            return self.threads
+    def thread_count(self, jobs_running: int = 0, side_work: bool = False) -> int:
+        """This process's torch threads: the setting, else every core not lent to running jobs; one fewer while
+        `side_work` (the server's side worker runs an item: an ingest's Python keeps a core busy)."""
         cores = os.cpu_count() or 1
-        return max(1, cores - jobs_running * self.job_thread_count())
+        n = self.threads or max(1, cores - jobs_running * self.job_thread_count())
+        return max(1, n - side_work)
 
     @field_validator("chunk_tokens", "precompute_batch", "top_k", "lease_seconds", "max_new_tokens", "max_queue",
                      "precompute_attempts",

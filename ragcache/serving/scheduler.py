@@ -271,7 +271,7 @@ class Scheduler:
         """Take every core, less what running precompute jobs use (read without the jobs lock: never a wait) and
         one while the side worker runs an item: an ingest's chunking and SQL keep a core busy, and an OpenMP team
         with a thread on that core waits for it at every op (BENCHMARKS.md, "An ingest beside a generate")."""
-        claim_cores(max(1, self.service.settings.thread_count(self.service.jobs.working()) - min(self._side.busy, 1)))
+        claim_cores(self.service.settings.thread_count(self.service.jobs.working(), self._side.busy > 0))
 
     # ---- shutting down --------------------------------------------------------------------------
 
