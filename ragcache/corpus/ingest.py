@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from ..database import Database
 from ..meta import Chunk, bump_index_versions, keys_in_use
 from ..meta import Document as DocRow
-from .chunking import Document, chunk_document
+from .chunking import Document, chunk_document, chunk_documents
 from .versions import lock_document, serves
 
 _SLICE = 500  # external ids a lookup: under every database's bound on bound parameters
@@ -63,8 +63,8 @@ def ingest_documents(db: Database, tokenizer, tokenizer_ids: list[str], docs: li
     ids = [d.external_id for d in docs]
     with db.session() as s:
         existing, foreign = _existing(s, namespace, tokenizer_ids, ids)
-    chunked = {(d.external_id, d.text_hash): chunk_document(tokenizer, d, max_tokens) for d in docs
-               if not _is_unchanged(existing.get(d.external_id), d, foreign)}
+    todo = [d for d in docs if not _is_unchanged(existing.get(d.external_id), d, foreign)]
+    chunked = dict(zip([(d.external_id, d.text_hash) for d in todo], chunk_documents(tokenizer, todo, max_tokens)))
     with db.session() as s:
         existing, foreign = _existing(s, namespace, tokenizer_ids, ids)
         added = _add_all(s, namespace, [d for d in docs if d.external_id not in existing])

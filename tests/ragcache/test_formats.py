@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from ragcache.corpus.chunking import chunk_document
+from ragcache.corpus.chunking import SEPARATOR, Document, chunk_document, chunk_documents
 from ragcache.corpus.readers import read_documents
 
 INTRO = [f"The harbour of Velmora was dredged in {1900 + i} by engineer number {i}, who kept careful notes. "
@@ -112,6 +112,23 @@ def test_each_format_chunks_along_its_structure(name, limit, tmp_path, smollm):
         assert len(chunks) <= 4  # sections merge up to the limit: few seams
     for c in history:  # paragraphs that fit are never cut
         assert all(line in INTRO for line in c.text.split("\n")[1:] if line and "History" not in line), c.text
+
+
+def test_many_documents_chunk_at_once_as_each_does_alone(tmp_path, smollm):
+    """An ingest chunks its documents together, their texts tokenized a batch at a time and each once: every
+    document gets the chunks it gets alone, and each chunk's ids are its text's."""
+    tok = smollm.tokenizer
+    for name, write in WRITERS.items():
+        write(tmp_path / name)
+    docs = [d for name in sorted(WRITERS) for d in read_documents(tmp_path / name).documents]
+    long = " ".join(f"Clause {i} of the charter, as amended, binds the harbour board." for i in range(60))
+    docs += [Document("long", "Charter", long), Document("again", "Charter", long), Document("short", "", "Paris.")]
+    for limit in (96, 512):
+        together = chunk_documents(tok, docs, limit)
+        assert together == [chunk_document(tok, d, limit) for d in docs]
+        assert together[-3] == together[-2] and len(together[-3]) > 1  # cut at sentences, shared texts
+        for c in (c for chunks in together for c in chunks):
+            assert c.token_ids == tok(c.text + SEPARATOR, add_special_tokens=False)["input_ids"]
 
 
 def _image_only_pdf(path):
