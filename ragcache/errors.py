@@ -10,6 +10,9 @@ class UserError(Exception):
         super().__init__(message)
         self.usage = usage
 
+    def __reduce__(self):  # pickled whole (the ingest process's errors reach the server so): usage and all
+        return _rebuilt, (type(self), str(self), self.__dict__)
+
 
 class NotFound(UserError):
     """An id that names nothing (HTTP 404)."""
@@ -25,3 +28,10 @@ class Busy(UserError):
     def __init__(self, message: str, retry_after: int):
         super().__init__(message)
         self.retry_after = retry_after
+
+
+def _rebuilt(cls: type, message: str, state: dict) -> UserError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error

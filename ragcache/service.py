@@ -80,4 +80,5 @@ class RagCache(Parts):
 
     def close(self) -> None:
         self.jobs.close()
+        self.corpus.close()
         super().close()

@@ -82,7 +82,7 @@ async def add_documents(request: Request, namespace: NamespaceQuery = "default",
     else:
         docs = await run_in_threadpool(_parse, await request.body(), content_type)  # MiBs of JSON: off the loop
     svc = service(request)
-    report = await on_side_worker(request, lambda: svc.corpus.ingest_documents(docs, namespace))
+    report = await on_side_worker(request, lambda: svc.corpus.ingest_documents(docs, namespace, apart=True))
     job, job_error = None, None
     if precompute and report.chunks_added:
         try:

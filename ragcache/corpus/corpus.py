@@ -3,6 +3,7 @@
 SQL is the truth; a process's FAISS and BM25 indexes are caches of the namespace's done chunks,
 kept in step by `retrieval.Retriever` (every change bumps the namespace's `index_versions` row:
 ingest replacing a document, precompute finishing chunks, a delete, whichever process made it).
+A server's large ingests run in a child process (`ingest_process`); the rest runs in the caller's thread.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ..meta import Chunk, bump_index_versions, keys_in_use
 from ..meta import Document as DocRow
 from .chunking import Document
 from .ingest import IngestReport, corpus_counts, ingest_documents, same_tokenizer
+from .ingest_process import APART_CHARS, IngestProcess
 from .readers import read_documents
 from .retrieval import Retriever
 from .versions import lock_document
@@ -36,6 +38,7 @@ class Corpus:
     def __init__(self, parts):
         self.p = parts
         self.retriever = Retriever(parts)
+        self._apart: IngestProcess | None = None  # large ingests' child process (`apart`), made on first use
 
     # ---- documents -----------------------------------------------------------------------------
 
@@ -48,16 +51,33 @@ class Corpus:
         report.errors = reading.errors
         return report
 
-    def ingest_documents(self, docs: list[Document], namespace: str = "default") -> IngestReport:
+    def ingest_documents(self, docs: list[Document], namespace: str = "default", apart: bool = False) -> IngestReport:
+        """`apart`: if the documents hold APART_CHARS of text or more, they are chunked and written by a child
+        process (`ingest_process`), the server's way: its Python then never holds this process's GIL."""
         if not docs:
             raise UserError("no documents given")
         p = self.p
-        report = ingest_documents(p.db, p.tokenizer, same_tokenizer(p.model), docs, namespace,
-                                  p.settings.chunk_tokens, key_of=lambda ids: p.kv_key_of(torch.tensor(ids), namespace))
+        args = (same_tokenizer(p.model), docs, namespace, p.settings.chunk_tokens)
+        if apart and p.model.path is not None and sum(len(d.text) for d in docs) >= APART_CHARS:
+            if self._apart is None:
+                self._apart = IngestProcess(p.model.path, p.model.tokenizer_id, p.settings.db_url)
+            report = self._apart.ingest(*args)
+        else:
+            report = ingest_documents(p.db, p.tokenizer, *args)
         self.retriever.remove(namespace, report.removed_chunk_ids)
-        for key in report.orphan_kv_keys:
+        reused = {p.kv_key_of(torch.tensor(ids), namespace) for ids in report.new_token_ids}
+        for key in set(report.orphan_kv_keys) - reused:  # KV is keyed by content: a new chunk may use one again
             p.store.delete(key)
         return report
+
+    @property
+    def apart_pid(self) -> int | None:
+        """The large ingests' child process, while it runs."""
+        return self._apart.pid if self._apart is not None else None
+
+    def close(self) -> None:
+        if self._apart is not None:
+            self._apart.close()
 
     def document(self, namespace: str, external_id: str) -> dict:
         """Its served chunks, and (`staged`) those of a changed version until they are precomputed."""

@@ -34,6 +34,7 @@ class IngestReport:
     chunks_removed: int = 0
     removed_chunk_ids: list[int] = field(default_factory=list)
     orphan_kv_keys: list[str] = field(default_factory=list)  # KV entries no chunk references any more
+    new_token_ids: list[list[int]] = field(default_factory=list)  # the new chunks', where there are orphans
     errors: list[str] = field(default_factory=list)  # "file: why", one per file that could not be read
 
     def line(self) -> str:
@@ -50,11 +51,11 @@ def same_tokenizer(model) -> list[str]:
 
 
 def ingest_documents(db: Database, tokenizer, tokenizer_ids: list[str], docs: list[Document], namespace: str,
-                     max_tokens: int, key_of=None) -> IngestReport:
+                     max_tokens: int) -> IngestReport:
     """`tokenizer_ids`: what chunks made by this tokenizer carry (the first is written); a document
     whose chunks another tokenizer made is re-tokenized even if its text is unchanged.
-    `key_of(token_ids)`, when given, names the KV key a new chunk will have: a replaced document's
-    entries that its new chunks will use again are kept (KV is keyed by content), not orphaned.
+    Where a replaced document leaves KV entries no chunk references, the report holds the new chunks'
+    token ids too: an entry one of them will use again (KV is keyed by content) is not an orphan.
 
     Documents are chunked before the write transaction opens: SQLite's one write lock is never held
     while tokenizing. A document another process adds or replaces meanwhile is taken as found."""
@@ -93,9 +94,8 @@ def ingest_documents(db: Database, tokenizer, tokenizer_ids: list[str], docs: li
             bump_index_versions(s, [namespace])  # other processes drop the old chunks from their indexes
         if report.orphan_kv_keys:
             report.orphan_kv_keys = sorted(set(report.orphan_kv_keys) - keys_in_use(s, report.orphan_kv_keys))
-    if report.orphan_kv_keys and key_of is not None:  # after the commit: key_of may read SQL itself
-        reused = {key_of(ids) for chunks in new_ids.values() for ids in chunks}
-        report.orphan_kv_keys = sorted(set(report.orphan_kv_keys) - reused)
+    if report.orphan_kv_keys:
+        report.new_token_ids = [ids for chunks in new_ids.values() for ids in chunks]
     return report
 
 

@@ -1,0 +1,153 @@
+"""A large ingest in a child process of its own, so that its Python never holds the server's interpreter lock.
+
+Chunking and the SQL rows of thousands of documents are seconds of Python; in the server's process every
+small op of the model thread's forward pass waits for that lock (BENCHMARKS.md, "An ingest beside a
+generate"). The child holds the model's tokenizer and its own database connection, started on the first
+large ingest and kept; it runs `ingest_documents` as the thread would, one request at a time. An ingest is
+one transaction and idempotent, so a child that dies mid-way loses nothing: the request is answered 503 and
+can be sent again (documents already in are left as they are); the next one starts a new child.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from ..errors import UserError
+from .chunking import Document
+from .ingest import IngestReport
+
+log = logging.getLogger("ragcache.ingest")
+
+APART_CHARS = 1 << 20  # a request with this much text or more goes to the child; less is ~0.1 s in the thread
+
+
+class IngestProcess:
+    """One child process for large ingests; `ingest` blocks (without the interpreter lock) until it answers."""
+
+    def __init__(self, tokenizer_dir: Path, tokenizer_id: str, db_url: str):
+        self._args = (str(tokenizer_dir), tokenizer_id, db_url)
+        self._lock = threading.Lock()  # one ingest at a time through the one pipe
+        self._child = self._conn = None
+
+    def ingest(self, tokenizer_ids: list[str], docs: list[Document], namespace: str,
+               max_tokens: int) -> IngestReport:
+        with self._lock:
+            conn = self._started()
+            try:
+                conn.send((tokenizer_ids, docs, namespace, max_tokens))
+                status, result = conn.recv()
+            except (EOFError, OSError):
+                code = self._stopped()
+                raise UserError(f"the ingest process stopped (exit code {code}) before answering; send the same "
+                                "documents again: an ingest is idempotent, documents already in are left as they are",
+                                usage=False) from None
+        if status == "error":
+            raise result
+        return result
+
+    def _started(self) -> Connection:
+        if self._child is not None and self._child.poll() is None:
+            return self._conn
+        to_child, from_us = os.pipe()
+        from_child, to_us = os.pipe()
+        # a process of its own (`python -m`), not multiprocessing's spawn: that would import the host's __main__
+        self._child = subprocess.Popen([sys.executable, "-m", __name__, str(to_child), str(to_us)],
+                                       pass_fds=(to_child, to_us), stdin=subprocess.DEVNULL,
+                                       env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})  # one core
+        os.close(to_child), os.close(to_us)  # theirs alone: the child's death ends our reads (EOFError)
+        self._conn = _Duplex(Connection(from_child, writable=False), Connection(from_us, readable=False))
+        try:
+            self._conn.send(self._args)
+            status, found = self._conn.recv()  # its tokenizer loaded and checked
+        except (EOFError, OSError):
+            code = self._stopped()
+            raise UserError(f"the ingest process did not start (exit code {code}); the server log has its error",
+                            usage=False) from None
+        if status == "error":
+            self._stopped()
+            raise found
+        log.info("ingest process %d started", self._child.pid)
+        return self._conn
+
+    def _stopped(self) -> int | None:
+        """The child's exit code, once it is gone (killed if it does not go), and its pipes closed."""
+        try:
+            code = self._child.wait(10)
+        except subprocess.TimeoutExpired:
+            self._child.kill()
+            code = self._child.wait()
+        self._conn.close()
+        self._child = self._conn = None
+        return code
+
+    @property
+    def pid(self) -> int | None:
+        """The child's, while it runs."""
+        return self._child.pid if self._child is not None and self._child.poll() is None else None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._child is not None:
+                try:
+                    self._conn.send(None)  # its last message: it closes its connection and ends
+                except OSError:
+                    pass
+                self._stopped()
+
+
+class _Duplex:
+    """Two one-way pipes as one connection."""
+
+    def __init__(self, incoming: Connection, outgoing: Connection):
+        self.recv, self.send = incoming.recv, outgoing.send
+        self._ends = (incoming, outgoing)
+
+    def close(self) -> None:
+        for end in self._ends:
+            end.close()
+
+
+def _serve(conn) -> None:
+    """The child: its tokenizer checked against the server's, then one ingest per message until None."""
+    from transformers import AutoTokenizer
+
+    from blend.model import tokenizer_id as id_of
+
+    from ..database import Database
+    from .ingest import ingest_documents
+
+    tokenizer_dir, tokenizer_id, db_url = conn.recv()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+        if id_of(tokenizer) != tokenizer_id:
+            raise UserError(f"{tokenizer_dir}: its tokenizer is not the server's any more", usage=False)
+        db = Database(db_url)
+    except Exception as e:  # noqa: BLE001 — to the server, which answers with it
+        _send(conn, ("error", e))
+        return
+    _send(conn, ("ok", None))
+    while (job := conn.recv()) is not None:
+        tokenizer_ids, docs, namespace, max_tokens = job
+        try:
+            _send(conn, ("ok", ingest_documents(db, tokenizer, tokenizer_ids, docs, namespace, max_tokens)))
+        except Exception as e:  # noqa: BLE001 — the server's thread raises it as its own
+            _send(conn, ("error", e))
+    db.dispose()
+
+
+def _send(conn, message) -> None:
+    try:
+        conn.send(message)
+    except (pickle.PicklingError, TypeError, AttributeError):  # an error that does not pickle: its words do
+        conn.send(("error", RuntimeError(f"{type(message[1]).__name__}: {message[1]}")))
+
+
+if __name__ == "__main__":
+    incoming, outgoing = (int(fd) for fd in sys.argv[1:3])
+    _serve(_Duplex(Connection(incoming, writable=False), Connection(outgoing, readable=False)))

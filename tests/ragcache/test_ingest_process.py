@@ -1,0 +1,75 @@
+"""A large ingest in a child process, the server's way: the rows the thread would write, and a child killed
+mid-ingest loses nothing."""
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import threading
+import time
+
+from sqlalchemy import select
+from sqlalchemy.engine import make_url
+
+from ragcache import RagCache, Settings
+from ragcache.corpus.chunking import Document
+from ragcache.corpus.ingest_process import APART_CHARS
+from ragcache.errors import UserError
+from ragcache.meta import Chunk
+
+WORDS = "the committee met again in the spring to review the harbour accounts and the new charter".split()
+
+
+def _bulk(n: int, tag: str) -> list[Document]:
+    return [Document(f"{tag}-{i}", "", " ".join(WORDS[(i + j) % len(WORDS)] for j in range(240))) for i in range(n)]
+
+
+def _rows(rc: RagCache, namespace: str) -> list:
+    with rc.db.session() as s:
+        return s.execute(select(Chunk.text, Chunk.token_ids, Chunk.ordinal, Chunk.n_tokens, Chunk.model)
+                         .where(Chunk.namespace == namespace).order_by(Chunk.id)).all()
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def test_a_large_ingest_apart_writes_the_threads_rows_and_a_killed_child_loses_nothing(tmp_path, smollm):
+    docs = _bulk(1000, "d")
+    assert sum(len(d.text) for d in docs) >= APART_CHARS
+    with RagCache(Settings(home=tmp_path, model=str(smollm.path))) as rc:
+        rc.corpus.ingest_documents(docs, "thread")
+        assert rc.corpus.apart_pid is None  # the thread's way unless asked
+        report = rc.corpus.ingest_documents(docs, "apart", apart=True)
+        child = rc.corpus.apart_pid
+        assert child not in (None, os.getpid()) and report.added == 1000
+        assert _rows(rc, "apart") == _rows(rc, "thread")
+        assert rc.corpus.ingest_documents(docs[:10], "small", apart=True).added == 10  # under APART_CHARS: here
+
+        # Killed mid-ingest: our write lock holds the child at its first write, so it cannot finish first.
+        blocker = sqlite3.connect(make_url(rc.settings.db_url).database, timeout=60, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        before, box = _cpu_ticks(child), []
+
+        def ingest():
+            try:
+                box.append(rc.corpus.ingest_documents(_bulk(1000, "k"), "killed", apart=True))
+            except UserError as e:
+                box.append(e)
+
+        t = threading.Thread(target=ingest, daemon=True)
+        t.start()
+        deadline = time.monotonic() + 120
+        while _cpu_ticks(child) < before + 5:  # it has the job: it is chunking
+            assert time.monotonic() < deadline, "the child never took the job"
+            time.sleep(0.01)
+        os.kill(child, signal.SIGKILL)
+        t.join(120)
+        blocker.execute("ROLLBACK")
+        blocker.close()
+        assert isinstance(box[0], UserError) and not box[0].usage, box  # 503, not 400
+        assert "send the same documents again" in str(box[0])
+        assert _rows(rc, "killed") == []
+        again = rc.corpus.ingest_documents(_bulk(1000, "k"), "killed", apart=True)  # a new child
+        assert again.added == 1000 and rc.corpus.apart_pid not in (None, child)
