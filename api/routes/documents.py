@@ -11,7 +11,6 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ragcache.corpus.chunking import Document
-from ragcache.corpus.readers import read_file
 from ragcache.errors import Conflict, UserError
 
 from ..auth import Caller, caller
@@ -106,7 +105,8 @@ async def _files(request: Request) -> tuple[list[Document], list[str]]:
         for _key, upload in uploads:
             name = (upload.filename or "").strip() or "upload"
             try:
-                found = await run_in_threadpool(read_file, name, await upload.read())
+                data = await upload.read()  # read on the side worker, as the ingest is: the model thread gives it a core
+                found = await on_side_worker(request, lambda: service(request).corpus.read_file(name, data))
                 for doc in found:  # named by the file: bounded and storable like a JSON document's fields
                     DocumentIn(id=doc.external_id, title=doc.title, text=doc.text)
                 docs += found

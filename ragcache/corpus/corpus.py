@@ -19,7 +19,7 @@ from ..meta import Document as DocRow
 from .chunking import Document
 from .ingest import IngestReport, corpus_counts, ingest_documents, same_tokenizer
 from .ingest_process import APART_CHARS, IngestProcess
-from .readers import read_documents
+from .readers import read_documents, read_file
 from .retrieval import Retriever
 from .versions import lock_document
 
@@ -58,10 +58,8 @@ class Corpus:
             raise UserError("no documents given")
         p = self.p
         args = (same_tokenizer(p.model), docs, namespace, p.settings.chunk_tokens)
-        if apart and p.model.path is not None and sum(len(d.text) for d in docs) >= APART_CHARS:
-            if self._apart is None:
-                self._apart = IngestProcess(p.model.path, p.model.tokenizer_id, p.settings.db_url)
-            report = self._apart.ingest(*args)
+        if apart and (child := self._child(sum(len(d.text) for d in docs))) is not None:
+            report = child.ingest(*args)
         else:
             report = ingest_documents(p.db, p.tokenizer, *args)
         self.retriever.remove(namespace, report.removed_chunk_ids)
@@ -69,6 +67,19 @@ class Corpus:
         for key in set(report.orphan_kv_keys) - reused:  # KV is keyed by content: a new chunk may use one again
             p.store.delete(key)
         return report
+
+    def read_file(self, name: str, data: bytes) -> list[Document]:
+        """An uploaded file's documents (`readers.read_file`); a large one's read in the child process."""
+        child = self._child(len(data))
+        return child.read(name, data) if child is not None else read_file(name, data)
+
+    def _child(self, size: int) -> IngestProcess | None:
+        """The child process, for work of `size` (characters, bytes) from APART_CHARS up; None: in this thread."""
+        if size < APART_CHARS or self.p.model.path is None:
+            return None
+        if self._apart is None:
+            self._apart = IngestProcess(self.p.model.path, self.p.model.tokenizer_id, self.p.settings.db_url)
+        return self._apart
 
     @property
     def apart_pid(self) -> int | None:

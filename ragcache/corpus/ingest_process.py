@@ -1,4 +1,5 @@
-"""A large ingest in a child process of its own, so that its Python never holds the server's interpreter lock.
+"""A large ingest, and a large file's reading, in a child process of its own, so that its Python never holds the
+server's interpreter lock.
 
 Chunking and the SQL rows of thousands of documents are seconds of Python; in the server's process every
 small op of the model thread's forward pass waits for that lock (BENCHMARKS.md, "An ingest beside a
@@ -24,7 +25,7 @@ from .ingest import IngestReport
 
 log = logging.getLogger("ragcache.ingest")
 
-APART_CHARS = 1 << 20  # a request with this much text or more goes to the child; less is ~0.1 s in the thread
+APART_CHARS = 1 << 20  # a request with this much text (or a file this many bytes) or more goes to the child
 
 
 class IngestProcess:
@@ -37,15 +38,22 @@ class IngestProcess:
 
     def ingest(self, tokenizer_ids: list[str], docs: list[Document], namespace: str,
                max_tokens: int) -> IngestReport:
+        return self._call("ingest", tokenizer_ids, docs, namespace, max_tokens)
+
+    def read(self, name: str, data: bytes) -> list[Document]:
+        """`readers.read_file` in the child: a PDF's text layer is seconds of Python (pypdf)."""
+        return self._call("read", name, data)
+
+    def _call(self, what: str, *args):
         with self._lock:
             conn = self._started()
             try:
-                conn.send((tokenizer_ids, docs, namespace, max_tokens))
+                conn.send((what, args))
                 status, result = conn.recv()
             except (EOFError, OSError):
                 code = self._stopped()
-                raise UserError(f"the ingest process stopped (exit code {code}) before answering; send the same "
-                                "documents again: an ingest is idempotent, documents already in are left as they are",
+                raise UserError(f"the ingest process stopped (exit code {code}) before answering; send the request "
+                                "again: an ingest is idempotent, documents already in are left as they are",
                                 usage=False) from None
         if status == "error":
             raise result
@@ -114,13 +122,15 @@ class _Duplex:
 
 
 def _serve(conn) -> None:
-    """The child: its tokenizer checked against the server's, then one ingest per message until None."""
+    """The child: its tokenizer checked against the server's, then one job (an ingest, a file read) per message
+    until None."""
     from transformers import AutoTokenizer
 
     from blend.model import tokenizer_id as id_of
 
     from ..database import Database
     from .ingest import ingest_documents
+    from .readers import read_file
 
     tokenizer_dir, tokenizer_id, db_url = conn.recv()
     try:
@@ -133,9 +143,9 @@ def _serve(conn) -> None:
         return
     _send(conn, ("ok", None))
     while (job := conn.recv()) is not None:
-        tokenizer_ids, docs, namespace, max_tokens = job
+        what, args = job
         try:
-            _send(conn, ("ok", ingest_documents(db, tokenizer, tokenizer_ids, docs, namespace, max_tokens)))
+            _send(conn, ("ok", ingest_documents(db, tokenizer, *args) if what == "ingest" else read_file(*args)))
         except Exception as e:  # noqa: BLE001 — the server's thread raises it as its own
             _send(conn, ("error", e))
     db.dispose()

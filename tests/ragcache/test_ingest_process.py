@@ -1,19 +1,22 @@
-"""A large ingest in a child process, the server's way: the rows the thread would write, and a child killed
-mid-ingest loses nothing."""
+"""A large ingest in a child process, the server's way: the rows the thread would write, a large file read there
+to the same documents, and a child killed mid-ingest loses nothing."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sqlite3
 import threading
 import time
 
+import pytest
 from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
 from ragcache import RagCache, Settings
 from ragcache.corpus.chunking import Document
 from ragcache.corpus.ingest_process import APART_CHARS
+from ragcache.corpus.readers import read_file
 from ragcache.errors import UserError
 from ragcache.meta import Chunk
 
@@ -35,7 +38,7 @@ def _cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
-def test_a_large_ingest_apart_writes_the_threads_rows_and_a_killed_child_loses_nothing(tmp_path, smollm):
+def test_a_large_ingest_apart_writes_the_threads_rows_reads_files_alike_and_a_killed_child_loses_nothing(tmp_path, smollm):
     docs = _bulk(1000, "d")
     assert sum(len(d.text) for d in docs) >= APART_CHARS
     with RagCache(Settings(home=tmp_path, model=str(smollm.path))) as rc:
@@ -46,6 +49,15 @@ def test_a_large_ingest_apart_writes_the_threads_rows_and_a_killed_child_loses_n
         assert child not in (None, os.getpid()) and report.added == 1000
         assert _rows(rc, "apart") == _rows(rc, "thread")
         assert rc.corpus.ingest_documents(docs[:10], "small", apart=True).added == 10  # under APART_CHARS: here
+        # a large upload is read there too, to the same documents, its errors the same words
+        big = ("# Harbour\n\n" + "\n\n".join(f"## Year {i}\n\n{d.text}" for i, d in enumerate(docs))).encode()
+        assert len(big) >= APART_CHARS and rc.corpus.read_file("big.md", big) == read_file("big.md", big)
+        broken = b"%PDF-1.7\n1 0 obj << /Type /Catalog >> garbage" + b" " * APART_CHARS
+        with pytest.raises(UserError) as here:
+            read_file("broken.pdf", broken)
+        with pytest.raises(UserError, match=re.escape(str(here.value))):
+            rc.corpus.read_file("broken.pdf", broken)
+        assert rc.corpus.apart_pid == child
 
         # Killed mid-ingest: our write lock holds the child at its first write, so it cannot finish first.
         blocker = sqlite3.connect(make_url(rc.settings.db_url).database, timeout=60, isolation_level=None)
@@ -69,7 +81,7 @@ def test_a_large_ingest_apart_writes_the_threads_rows_and_a_killed_child_loses_n
         blocker.execute("ROLLBACK")
         blocker.close()
         assert isinstance(box[0], UserError) and not box[0].usage, box  # 503, not 400
-        assert "send the same documents again" in str(box[0])
+        assert "send the request again" in str(box[0])
         assert _rows(rc, "killed") == []
         again = rc.corpus.ingest_documents(_bulk(1000, "k"), "killed", apart=True)  # a new child
         assert again.added == 1000 and rc.corpus.apart_pid not in (None, child)
