@@ -98,31 +98,40 @@ async def add_documents(request: Request, namespace: NamespaceQuery = "default",
 async def _files(request: Request) -> tuple[list[Document], list[str]]:
     """Every uploaded file's documents, and "name: why" for each file that cannot be read."""
     async with request.form() as form:
-        uploads = [(key, v) for key, v in form.multi_items() if not isinstance(v, str)]
-        if not uploads:
-            raise ApiError(422, "a multipart body needs at least one file", "files")
-        docs, errors = [], []
-        for _key, upload in uploads:
-            name = (upload.filename or "").strip() or "upload"
-            try:
-                data = await upload.read()  # read on the side worker, as the ingest is: the model thread gives it a core
-                found = await on_side_worker(request, lambda: service(request).corpus.read_file(name, data))
-                for doc in found:  # named by the file: bounded and storable like a JSON document's fields
-                    DocumentIn(id=doc.external_id, title=doc.title, text=doc.text)
-                docs += found
-            except UserError as e:
-                errors.append(f"{name}: {e}")
-            except ValidationError as e:
-                err = e.errors()[0]
-                errors.append(f"{name}: {err['loc'][0]} {err['msg'].removeprefix('Value error, ')}")
-            except (ValueError, RecursionError) as e:  # its JSON: an integer too long, arrays nested too deep
-                errors.append(f"{name}: cannot be read ({json_problem(e)})")
+        uploads = [((v.filename or "").strip() or "upload", await v.read())
+                   for _key, v in form.multi_items() if not isinstance(v, str)]
+    if not uploads:
+        raise ApiError(422, "a multipart body needs at least one file", "files")
+    corpus = service(request).corpus  # read on the side worker as the ingest is: the model thread gives it a core
+    read = await on_side_worker(request, lambda: [_read(corpus, name, data) for name, data in uploads])
+    docs, errors = [], []
+    for (name, _), found in zip(uploads, read):
+        if isinstance(found, str):
+            errors.append(f"{name}: {found}")
+        else:
+            docs += found
     ids = [d.external_id for d in docs]
     if len(set(ids)) != len(ids):
         raise ApiError(422, "document ids (file names) repeat within the request", "files")
     if not docs:
         raise ApiError(422, "no file could be read: " + "; ".join(errors), "files")
     return docs, errors
+
+
+def _read(corpus, name: str, data: bytes) -> list[Document] | str:
+    """The file's documents (a large file's read in the ingest process), or why it cannot be read."""
+    try:
+        found = corpus.read_file(name, data)
+        for doc in found:  # named by the file: bounded and storable like a JSON document's fields
+            DocumentIn(id=doc.external_id, title=doc.title, text=doc.text)
+        return found
+    except UserError as e:
+        return str(e)
+    except ValidationError as e:
+        err = e.errors()[0]
+        return f"{err['loc'][0]} {err['msg'].removeprefix('Value error, ')}"
+    except (ValueError, RecursionError) as e:  # its JSON: an integer too long, arrays nested too deep
+        return f"cannot be read ({json_problem(e)})"
 
 
 @router.get("/v1/documents/{doc_id:path}")
