@@ -63,8 +63,10 @@ class Corpus:
         else:
             report = ingest_documents(p.db, p.tokenizer, *args)
         self.retriever.remove(namespace, report.removed_chunk_ids)
+        # KV is keyed by content: an old entry that a new chunk will use again is no orphan
         reused = {p.kv_key_of(torch.tensor(ids), namespace) for ids in report.new_token_ids}
-        for key in set(report.orphan_kv_keys) - reused:  # KV is keyed by content: a new chunk may use one again
+        report.orphan_kv_keys = sorted(set(report.orphan_kv_keys) - reused)
+        for key in report.orphan_kv_keys:
             p.store.delete(key)
         return report
 
