@@ -52,7 +52,7 @@ class IngestProcess:
                 status, result = conn.recv()
             except (EOFError, OSError):
                 code = self._stopped()
-                raise UserError(f"the ingest process stopped (exit code {code}) before answering; send the request "
+                raise UserError(f"the ingest process stopped ({_how(code)}) before answering; send the request "
                                 "again: an ingest is idempotent, documents already in are left as they are",
                                 usage=False) from None
         if status == "error":
@@ -75,7 +75,7 @@ class IngestProcess:
             status, found = self._conn.recv()  # its tokenizer loaded and checked
         except (EOFError, OSError):
             code = self._stopped()
-            raise UserError(f"the ingest process did not start (exit code {code}); the server log has its error",
+            raise UserError(f"the ingest process did not start ({_how(code)}); the server log has its error",
                             usage=False) from None
         if status == "error":
             self._stopped()
@@ -119,6 +119,10 @@ class _Duplex:
     def close(self) -> None:
         for end in self._ends:
             end.close()
+
+
+def _how(code: int | None) -> str:
+    return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
 
 def _serve(conn) -> None:
