@@ -4,7 +4,7 @@ server's interpreter lock.
 Chunking and the SQL rows of thousands of documents are seconds of Python; in the server's process every
 small op of the model thread's forward pass waits for that lock (BENCHMARKS.md, "An ingest beside a
 generate"). The child holds the model's tokenizer and its own database connection, started on the first
-large ingest and kept; it runs `ingest_documents` as the thread would, one request at a time. An ingest is
+large ingest or upload and kept; it runs `ingest_documents` as the thread would, one request at a time. An ingest is
 one transaction and idempotent, so a child that dies mid-way loses nothing: the request is answered 503 and
 can be sent again (documents already in are left as they are); the next one starts a new child.
 """
@@ -143,23 +143,28 @@ def _serve(conn) -> None:
             raise UserError(f"{tokenizer_dir}: its tokenizer is not the server's any more", usage=False)
         db = Database(db_url)
     except Exception as e:  # noqa: BLE001 — to the server, which answers with it
-        _send(conn, ("error", e))
+        conn.send(("error", _portable(e)))
         return
-    _send(conn, ("ok", None))
+    conn.send(("ok", None))
     while (job := conn.recv()) is not None:
         what, args = job
         try:
-            _send(conn, ("ok", ingest_documents(db, tokenizer, *args) if what == "ingest" else read_file(*args)))
+            result = ingest_documents(db, tokenizer, *args) if what == "ingest" else read_file(*args)
         except Exception as e:  # noqa: BLE001 — the server's thread raises it as its own
-            _send(conn, ("error", e))
+            conn.send(("error", _portable(e)))
+        else:
+            conn.send(("ok", result))
     db.dispose()
 
 
-def _send(conn, message) -> None:
+def _portable(error: Exception) -> Exception:
+    """`error`, if the server can unpickle it (its status kept: a UserError, a database's OperationalError);
+    else its words in a RuntimeError."""
     try:
-        conn.send(message)
-    except (pickle.PicklingError, TypeError, AttributeError):  # an error that does not pickle: its words do
-        conn.send(("error", RuntimeError(f"{type(message[1]).__name__}: {message[1]}")))
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 — an exception class whose arguments do not survive the round trip
+        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 if __name__ == "__main__":
