@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import threading
@@ -62,14 +63,13 @@ class IngestProcess:
     def _started(self) -> Connection:
         if self._child is not None and self._child.poll() is None:
             return self._conn
-        to_child, from_us = os.pipe()
-        from_child, to_us = os.pipe()
+        ours, theirs = socket.socketpair()  # one duplex connection; its end closes when the child dies (EOFError)
         # a process of its own (`python -m`), not multiprocessing's spawn: that would import the host's __main__
-        self._child = subprocess.Popen([sys.executable, "-m", __name__, str(to_child), str(to_us)],
-                                       pass_fds=(to_child, to_us), stdin=subprocess.DEVNULL,
+        self._child = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
+                                       pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                                        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})  # one core
-        os.close(to_child), os.close(to_us)  # theirs alone: the child's death ends our reads (EOFError)
-        self._conn = _Duplex(Connection(from_child, writable=False), Connection(from_us, readable=False))
+        theirs.close()
+        self._conn = Connection(ours.detach())
         try:
             self._conn.send(self._args)
             status, found = self._conn.recv()  # its tokenizer loaded and checked
@@ -107,18 +107,6 @@ class IngestProcess:
                 except OSError:
                     pass
                 self._stopped()
-
-
-class _Duplex:
-    """Two one-way pipes as one connection."""
-
-    def __init__(self, incoming: Connection, outgoing: Connection):
-        self.recv, self.send = incoming.recv, outgoing.send
-        self._ends = (incoming, outgoing)
-
-    def close(self) -> None:
-        for end in self._ends:
-            end.close()
 
 
 def _how(code: int | None) -> str:
@@ -168,5 +156,4 @@ def _portable(error: Exception) -> Exception:
 
 
 if __name__ == "__main__":
-    incoming, outgoing = (int(fd) for fd in sys.argv[1:3])
-    _serve(_Duplex(Connection(incoming, writable=False), Connection(outgoing, readable=False)))
+    _serve(Connection(int(sys.argv[1])))
