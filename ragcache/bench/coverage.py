@@ -143,8 +143,8 @@ def _report(result: dict, covered: dict, ks: list[int], chunks: int) -> None:
 def _pieces(tokenizer, text: str, window: int) -> list[str]:
     """`text` cut into consecutive pieces of at most `window` tokens, each cut at a word's first token
     (a word longer than the window is cut inside)."""
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    spans, words = enc["offset_mapping"], enc.word_ids()
+    enc = tokenizer.encode(text, add_special_tokens=False)  # a `tokenizers.Tokenizer` (the embedder's)
+    spans, words = enc.offsets, enc.word_ids
     starts, a = [], 0
     while a < len(spans):
         starts.append(a)

@@ -29,6 +29,34 @@ def test_embeddings_are_unit_length_and_semantic(embedder):
     assert v[0] @ v[1] > v[0] @ v[2] + 0.3
 
 
+def test_the_embedder_equals_transformers_pipeline_and_never_imports_it(embedder):
+    """index/bert.py is BERT's forward pass without transformers: on texts that pad each other in one batch, one
+    past MAX_TOKENS (cut, its [SEP] kept), an empty one and non-ASCII ones it gives transformers' token ids and
+    mean-pooled embeddings; and a process that embeds never imports transformers (~3 s of every start)."""
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from index.embed import MAX_TOKENS, model_dir
+
+    data = json.loads(DATA.read_text())
+    texts = ([c["text"] for c in data[0]["ctxs"][:6]] + [d["question"] for d in data[:6]]
+             + ["", "Ünïcödé café — naïve 東京 ﬁ", "word " * 600, " ".join(data[1]["ctxs"][0]["text"].split()[:300])])
+    tok = AutoTokenizer.from_pretrained(model_dir(), local_files_only=True)
+    batch = tok(texts, padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt")
+    assert [e.ids for e in embedder._batches.encode_batch(texts)] == batch["input_ids"].tolist()
+    with torch.inference_mode():
+        hidden = AutoModel.from_pretrained(model_dir(), local_files_only=True).eval()(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    theirs = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).numpy()
+    assert np.abs(embedder.embed(texts) - theirs).max() < 1e-5
+    probe = "import sys; from index import Embedder; Embedder().embed(['x']); print('transformers' in sys.modules)"
+    found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert found.stdout.strip() == "False", found.stderr
+
+
 @pytest.mark.parametrize("kind", ["flat", "hnsw", "ivf"])
 def test_add_search_remove_persist_reload(tmp_path, kind):
     idx = VectorIndex(tmp_path, 8, kind, nlist=2)
