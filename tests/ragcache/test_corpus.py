@@ -389,3 +389,42 @@ def test_swapping_out_a_document_of_40k_done_chunks_stays_under_sqlites_variable
     swapped = swap_ready(db, "ns")
     assert len(swapped.chunk_ids) == 40_001 and len(swapped.orphan_kv_keys) == 40_000
     db.dispose()
+
+
+def test_a_replaced_staged_version_frees_only_the_kv_no_chunk_will_use_again(tmp_path, smollm):
+    """KV is keyed by content: when a staged version is replaced before it is swapped in, its done chunks' KV is
+    deleted from the store, except an entry the served version still names or a new version's chunk will use
+    again (the same text, so the same key: deleting it would throw away work the next precompute needs)."""
+    from ragcache import RagCache, Settings
+    from ragcache.corpus.ingest import unpack_ids
+
+    p0, p1, p2, p3, p4 = (f"Paragraph {w} says something plain about the {w} valley and its old stone bridge."
+                          for w in ("first", "second", "third", "fourth", "fifth"))
+
+    def mark_done(rc, staged: bool) -> dict[str, str]:
+        """As precompute would: each such chunk's KV computed, stored under its key, the chunk done."""
+        keys = {}
+        with rc.db.session() as s:
+            for c in s.scalars(select(Chunk).where(Chunk.staged.is_(staged))):
+                ids = unpack_ids(c.token_ids)
+                key = rc.kv_key_of(ids, "default")
+                rc.store.put(key, rc.prefill_for_store(ids, "default")[1], durable=True)
+                c.state, c.kv_key, keys[c.text] = "done", key, key
+        return keys
+
+    with RagCache(Settings(home=tmp_path, model=str(smollm.path), chunk_prefill="prefixed", chunk_tokens=32)) as rc:
+        rc.corpus.ingest_documents([Document("a", "", f"{p0}\n\n{p1}")])
+        served = mark_done(rc, staged=False)
+        assert sorted(served) == [p0, p1]  # a chunk a paragraph
+        assert rc.corpus.ingest_documents([Document("a", "", f"{p0}\n\n{p2}")]).staged == 1
+        staged = mark_done(rc, staged=True)
+        assert staged[p0] == served[p0] and staged[p2] != served[p1]  # the same text, the same key
+        # v3 keeps p2: its staged KV is no orphan, nor p0's (the served version names it)
+        assert rc.corpus.ingest_documents([Document("a", "", f"{p0}\n\n{p2}\n\n{p3}")]).orphan_kv_keys == []
+        assert all(rc.store.contains(k) for k in {*served.values(), *staged.values()})
+        staged = mark_done(rc, staged=True)
+        # v4 is new text only: the staged p2's and p3's KV goes; p0's stays (the served version names it), p1's too
+        gone = rc.corpus.ingest_documents([Document("a", "", p4)]).orphan_kv_keys
+        assert sorted(gone) == sorted([staged[p2], staged[p3]])
+        assert [rc.store.contains(k) for k in (served[p0], served[p1], staged[p2], staged[p3])] == \
+            [True, True, False, False]
