@@ -7,7 +7,6 @@ unknown routes 404; anything unexpected 500 with a generic message (logged).
 """
 from __future__ import annotations
 
-import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -16,7 +15,8 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ragcache.errors import Busy, Conflict, NotFound, UserError
+from ragcache.corpus.body import json_problem
+from ragcache.errors import Busy, Conflict, Invalid, NotFound, UserError
 
 from .schemas import ErrorBody
 from .streaming import ClientGone
@@ -53,17 +53,6 @@ def response(status: int, message: str, param: str | None = None, headers: dict 
     return JSONResponse(body(status, message, param), status_code=status, headers=headers)
 
 
-def json_problem(e: BaseException | None) -> str | None:
-    """What makes a body `json.loads` refused unusable, in words; None when `e` is no such refusal."""
-    if isinstance(e, json.JSONDecodeError):
-        return f"{e.msg} at line {e.lineno}"
-    if isinstance(e, RecursionError):
-        return "arrays or objects nested too deeply"
-    if isinstance(e, ValueError):  # an integer of more digits than Python converts (4300), say
-        return str(e).split(";")[0]
-    return None
-
-
 def from_exception(e: Exception) -> ApiError:
     """The HTTP status of an error raised by ragcache (or a bug: 500)."""
     if isinstance(e, ApiError):
@@ -74,6 +63,8 @@ def from_exception(e: Exception) -> ApiError:
         return ApiError(429, str(e), headers={"Retry-After": str(e.retry_after)})
     if isinstance(e, NotFound):
         return ApiError(404, str(e))
+    if isinstance(e, Invalid):
+        return ApiError(422, str(e), e.field)
     if isinstance(e, Conflict):
         return ApiError(409, str(e))
     if isinstance(e, UserError):
@@ -96,7 +87,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(UserError)
     async def _user(_r: Request, e: UserError):
         err = from_exception(e)
-        return response(err.status, err.message, headers=err.headers)
+        return response(err.status, err.message, err.param, err.headers)
 
     @app.exception_handler(ClientGone)
     async def _gone(_r: Request, e: ClientGone):

@@ -3,24 +3,15 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from ragcache.config import CHOICES, MODES
+from ragcache.corpus.body import DOC_ID_CHARS, storable
 
 Mode = Literal[MODES]  # type: ignore[valid-type]
 Retrieval = Literal[CHOICES["retrieval"]]  # type: ignore[valid-type]
 RowId = Annotated[int, Field(ge=1, le=2**31 - 1)]  # a SQL integer key
-DOC_ID_CHARS = 512  # documents.external_id's width
 
-
-def storable(v: str) -> str:
-    """A string that reaches SQL: PostgreSQL's text cannot hold NUL (a 500 there, were it let through)."""
-    if "\x00" in v:
-        raise ValueError("holds a NUL character, which cannot be stored")
-    return v
-
-
-SqlText = Annotated[str, AfterValidator(storable)]
 NamespaceName = Annotated[str, Field(min_length=1, max_length=128), AfterValidator(storable)]
 DocId = Annotated[str, Field(min_length=1, max_length=DOC_ID_CHARS), AfterValidator(storable)]
 
@@ -149,27 +140,6 @@ class ChatRequest(BaseModel):
         if not self.messages[-1].text().strip():
             raise ValueError("the last user message is empty")
         return self
-
-
-class DocumentIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    id: str | int
-    title: SqlText = ""
-    text: SqlText = Field(min_length=1)
-
-    @field_validator("id", mode="after")
-    @classmethod
-    def _id(cls, v: str | int) -> str:
-        v = str(v)
-        if not v.strip():
-            raise ValueError("is empty")
-        if len(v) > DOC_ID_CHARS:
-            raise ValueError(f"is over {DOC_ID_CHARS} characters")
-        return storable(v)
-
-
-class DocumentsIn(Strict):
-    documents: list[DocumentIn] = Field(min_length=1)
 
 
 class JobRequest(Strict):

@@ -14,6 +14,14 @@ class UserError(Exception):
         return _rebuilt, (type(self), str(self), self.__dict__)
 
 
+class Invalid(UserError):
+    """A request's content that cannot be taken, at `field` (documents.3.text; HTTP 422 with it as the param)."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
 class NotFound(UserError):
     """An id that names nothing (HTTP 404)."""
 

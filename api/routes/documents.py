@@ -3,20 +3,19 @@ multipart/form-data: PDF, DOCX, HTML, Markdown, text, .jsonl, MuSiQue .json), th
 unless `precompute=false`; GET and DELETE /v1/documents/{id}."""
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Request
-from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from ragcache.corpus.body import json_problem, problem
 from ragcache.corpus.chunking import Document
 from ragcache.errors import Conflict, UserError
 
 from ..auth import Caller, caller
 from ..deps import on_side_worker, service
-from ..errors import ApiError, documented, json_problem
-from ..schemas import DocId, DocumentIn, NamespaceName
+from ..errors import ApiError, documented
+from ..schemas import DocId, NamespaceName
 
 NamespaceQuery = Annotated[NamespaceName, Query()]
 DocPath = Annotated[DocId, Path()]
@@ -36,52 +35,19 @@ _BODY = {"requestBody": {"required": True, "content": {
                        "file name, and one that cannot be read is listed in `errors`"}}}}}}}
 
 
-def _parse(raw: bytes, content_type: str) -> list[Document]:
-    try:
-        text = raw.decode()
-    except UnicodeDecodeError:
-        raise ApiError(422, "the body is not UTF-8", "body") from None
-    if "json" in content_type and "ndjson" not in content_type and "jsonl" not in content_type:
-        try:
-            data = json.loads(text)
-        except (ValueError, RecursionError) as e:
-            raise ApiError(422, f"the body is not usable JSON ({json_problem(e)})", "body") from None
-        rows = data.get("documents") if isinstance(data, dict) else data
-    else:
-        rows = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except (ValueError, RecursionError) as e:
-                    raise ApiError(422, f"line {n} is not usable JSON ({json_problem(e)})", f"line {n}") from None
-    if not isinstance(rows, list) or not rows:
-        raise ApiError(422, 'expected a non-empty list of {"id", "title", "text"} documents', "documents")
-    try:
-        docs = TypeAdapter(list[DocumentIn]).validate_python(rows)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise ApiError(422, f"documents.{where}: {err['msg']}", f"documents.{where}") from None
-    ids = [d.id for d in docs]  # text, bounded and storable (DocumentIn)
-    if len(set(ids)) != len(ids):
-        raise ApiError(422, "document ids repeat within the request", "documents.id")
-    return [Document(d.id, d.title, d.text) for d in docs]
-
-
 @router.post("/v1/documents", openapi_extra=_BODY,
              description="Ingest documents into a namespace, then (unless precompute=false) start a precompute job.")
 async def add_documents(request: Request, namespace: NamespaceQuery = "default", precompute: bool = True,
                         who: Caller = Depends(caller)):
     who.allow(namespace)
     content_type = request.headers.get("content-type", "application/json")
-    errors: list[str] = []
+    svc, errors = service(request), []
     if content_type.startswith("multipart/form-data"):
         docs, errors = await _files(request)
-    else:
-        docs = await run_in_threadpool(_parse, await request.body(), content_type)  # MiBs of JSON: off the loop
-    svc = service(request)
-    report = await on_side_worker(request, lambda: svc.corpus.ingest_documents(docs, namespace, apart=True))
+        report = await on_side_worker(request, lambda: svc.corpus.ingest_documents(docs, namespace, apart=True))
+    else:  # parsed where it is ingested: a large body in the ingest process
+        raw = await request.body()
+        report = await on_side_worker(request, lambda: svc.corpus.ingest_body(raw, content_type, namespace))
     job, job_error = None, None
     if precompute and report.chunks_added:
         try:
@@ -122,16 +88,14 @@ def _read(corpus, name: str, data: bytes) -> list[Document] | str:
     """The file's documents (a large file's read in the ingest process), or why it cannot be read."""
     try:
         found = corpus.read_file(name, data)
-        for doc in found:  # named by the file: bounded and storable like a JSON document's fields
-            DocumentIn(id=doc.external_id, title=doc.title, text=doc.text)
-        return found
     except UserError as e:
         return str(e)
-    except ValidationError as e:
-        err = e.errors()[0]
-        return f"{err['loc'][0]} {err['msg'].removeprefix('Value error, ')}"
     except (ValueError, RecursionError) as e:  # its JSON: an integer too long, arrays nested too deep
         return f"cannot be read ({json_problem(e)})"
+    for doc in found:  # named by the file: bounded and storable like a JSON document's fields
+        if (wrong := problem(doc.external_id, doc.title, doc.text)) is not None:
+            return " ".join(wrong)
+    return found
 
 
 @router.get("/v1/documents/{doc_id:path}")

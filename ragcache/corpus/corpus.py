@@ -16,6 +16,7 @@ from sqlalchemy import delete, select
 from ..errors import NotFound, UserError
 from ..meta import Chunk, bump_index_versions, keys_in_use
 from ..meta import Document as DocRow
+from .body import parse_body
 from .chunking import Document
 from .ingest import IngestReport, corpus_counts, ingest_documents, same_tokenizer
 from .ingest_process import APART_CHARS, IngestProcess
@@ -59,9 +60,21 @@ class Corpus:
         p = self.p
         args = (same_tokenizer(p.model), docs, namespace, p.settings.chunk_tokens)
         if apart and (child := self._child(sum(len(d.text) for d in docs))) is not None:
-            report = child.ingest(*args)
-        else:
-            report = ingest_documents(p.db, p.tokenizer, *args)
+            return self._ingested(child.ingest(*args), namespace)
+        return self._ingested(ingest_documents(p.db, p.tokenizer, *args), namespace)
+
+    def ingest_body(self, raw: bytes, content_type: str, namespace: str = "default") -> IngestReport:
+        """A request body of documents (`body.parse_body`: JSON or JSON lines); one of APART_CHARS bytes or more is
+        parsed, chunked and written by the child process (the whole of its Python off this process's GIL)."""
+        p = self.p
+        if (child := self._child(len(raw))) is not None:
+            report = child.ingest_body(same_tokenizer(p.model), raw, content_type, namespace, p.settings.chunk_tokens)
+            return self._ingested(report, namespace)
+        return self.ingest_documents(parse_body(raw, content_type), namespace)
+
+    def _ingested(self, report: IngestReport, namespace: str) -> IngestReport:
+        """An ingest's report, once its removed chunks left this process's index and its orphan KV the store."""
+        p = self.p
         self.retriever.remove(namespace, report.removed_chunk_ids)
         # KV is keyed by content: an old entry that a new chunk will use again is no orphan
         reused = {p.kv_key_of(torch.tensor(ids), namespace) for ids in report.new_token_ids}

@@ -41,6 +41,11 @@ class IngestProcess:
                max_tokens: int) -> IngestReport:
         return self._call("ingest", tokenizer_ids, docs, namespace, max_tokens)
 
+    def ingest_body(self, tokenizer_ids: list[str], raw: bytes, content_type: str, namespace: str,
+                    max_tokens: int) -> IngestReport:
+        """`body.parse_body` and then `ingest`, in the child: a body's JSON parse holds no lock here either."""
+        return self._call("body", tokenizer_ids, raw, content_type, namespace, max_tokens)
+
     def read(self, name: str, data: bytes) -> list[Document]:
         """`readers.read_file` in the child: a PDF's text layer is seconds of Python (pypdf)."""
         return self._call("read", name, data)
@@ -114,13 +119,14 @@ def _how(code: int | None) -> str:
 
 
 def _serve(conn) -> None:
-    """The child: its tokenizer checked against the server's, then one job (an ingest, a file read) per message
-    until None."""
+    """The child: its tokenizer checked against the server's, then one job (an ingest, a body's parse and ingest,
+    a file read) per message until None."""
     from transformers import AutoTokenizer
 
     from blend.model import tokenizer_id as id_of
 
     from ..database import Database
+    from .body import parse_body
     from .ingest import ingest_documents
     from .readers import read_file
 
@@ -134,10 +140,15 @@ def _serve(conn) -> None:
         conn.send(("error", _portable(e)))
         return
     conn.send(("ok", None))
+
+    def body(tokenizer_ids, raw, content_type, namespace, max_tokens):
+        return ingest_documents(db, tokenizer, tokenizer_ids, parse_body(raw, content_type), namespace, max_tokens)
+
+    jobs = {"ingest": lambda *a: ingest_documents(db, tokenizer, *a), "body": body, "read": read_file}
     while (job := conn.recv()) is not None:
         what, args = job
         try:
-            result = ingest_documents(db, tokenizer, *args) if what == "ingest" else read_file(*args)
+            result = jobs[what](*args)
         except Exception as e:  # noqa: BLE001 — the server's thread raises it as its own
             conn.send(("error", _portable(e)))
         else:

@@ -1,7 +1,9 @@
 """A large ingest in a child process, the server's way: the rows the thread would write, a large file read there
-to the same documents, and a child killed mid-ingest loses nothing."""
+to the same documents, a large JSON body parsed there with the same errors, and a child killed mid-ingest loses
+nothing."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,7 +19,7 @@ from ragcache import RagCache, Settings
 from ragcache.corpus.chunking import Document
 from ragcache.corpus.ingest_process import APART_CHARS
 from ragcache.corpus.readers import read_file
-from ragcache.errors import UserError
+from ragcache.errors import Invalid, UserError
 from ragcache.meta import Chunk
 
 WORDS = "the committee met again in the spring to review the harbour accounts and the new charter".split()
@@ -57,6 +59,17 @@ def test_a_large_ingest_apart_writes_the_threads_rows_reads_files_alike_and_a_ki
             read_file("broken.pdf", broken)
         with pytest.raises(UserError, match=re.escape(str(here.value))):
             rc.corpus.read_file("broken.pdf", broken)
+        # a large JSON body is parsed there as well: the same rows, the same named error (nothing written)
+        body = json.dumps({"documents": [{"id": d.external_id, "text": d.text} for d in docs]}).encode()
+        assert len(body) >= APART_CHARS and rc.corpus.ingest_body(body, "application/json", "body").added == 1000
+        assert _rows(rc, "body") == _rows(rc, "thread")
+        rows = [{"id": d.external_id, "text": d.text} for d in _bulk(1000, "b")] + [{"id": "last", "text": ""}]
+        for raw, last in ((json.dumps(rows).encode(), 1000), (json.dumps(rows[-2:]).encode(), 1)):  # there, here
+            with pytest.raises(Invalid) as bad:
+                rc.corpus.ingest_body(raw, "application/json", "bad")
+            field = f"documents.{last}.text"
+            assert (bad.value.field, str(bad.value)) == (field, f"{field}: must not be empty")
+        assert _rows(rc, "bad") == []
         assert rc.corpus.apart_pid == child
 
         # Killed mid-ingest: our write lock holds the child at its first write, so it cannot finish first.
