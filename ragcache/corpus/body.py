@@ -13,12 +13,13 @@ from .chunking import Document
 
 DOC_ID_CHARS = 512  # documents.external_id's width
 MISSING = object()  # a field the body left out
+NUL = "holds a NUL character, which cannot be stored"
 
 
 def storable(v: str) -> str:
     """A string that reaches SQL: PostgreSQL's text cannot hold NUL (a 500 there, were it let through)."""
     if "\x00" in v:
-        raise ValueError("holds a NUL character, which cannot be stored")
+        raise ValueError(NUL)
     return v
 
 
@@ -70,28 +71,26 @@ def parse_body(raw: bytes, content_type: str) -> list[Document]:
     return docs
 
 
-def problem(external_id, title, text) -> tuple[str, str] | None:
+def problem(external_id: object, title: object, text: object) -> tuple[str, str] | None:
     """(field, what is wrong with it) for a document SQL cannot take as it is; None when it can. Its id a string
     or an integer (written as one), non-blank, up to DOC_ID_CHARS; its title a string; its text a non-empty
     string; none holding NUL. MISSING: a field the request left out."""
-    i = external_id
-    if i is MISSING:
+    if external_id is MISSING:
         return "id", "is required"
-    if isinstance(i, bool) or not isinstance(i, str | int):
+    if isinstance(external_id, bool) or not isinstance(external_id, str | int):
         return "id", "must be a string or an integer"
-    if not str(i).strip():
+    doc_id = str(external_id)
+    if not doc_id.strip():
         return "id", "is empty"
-    if len(str(i)) > DOC_ID_CHARS:
+    if len(doc_id) > DOC_ID_CHARS:
         return "id", f"is over {DOC_ID_CHARS} characters"
     if text is MISSING:
         return "text", "is required"
-    for field, value in (("id", str(i)), ("title", title), ("text", text)):
+    for field, value in (("id", doc_id), ("title", title), ("text", text)):
         if not isinstance(value, str):
             return field, "must be a string"
-        try:
-            storable(value)
-        except ValueError as e:
-            return field, str(e)
+        if "\x00" in value:
+            return field, NUL
     if not text:
         return "text", "must not be empty"
     return None
