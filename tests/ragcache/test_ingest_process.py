@@ -17,7 +17,7 @@ from sqlalchemy.engine import make_url
 
 from ragcache import RagCache, Settings
 from ragcache.corpus.chunking import Document
-from ragcache.corpus.ingest_process import APART_CHARS
+from ragcache.corpus.ingest_process import APART_CHARS, NICE
 from ragcache.corpus.readers import read_file
 from ragcache.errors import Invalid, UserError
 from ragcache.meta import Chunk
@@ -49,6 +49,7 @@ def test_a_large_ingest_apart_writes_the_threads_rows_reads_files_alike_and_a_ki
         report = rc.corpus.ingest_documents(docs, "apart", apart=True)
         child = rc.corpus.apart_pid
         assert child not in (None, os.getpid()) and report.added == 1000
+        assert os.getpriority(os.PRIO_PROCESS, child) == min(os.getpriority(os.PRIO_PROCESS, 0) + NICE, 19)
         assert _rows(rc, "apart") == _rows(rc, "thread")
         assert rc.corpus.ingest_documents(docs[:10], "small", apart=True).added == 10  # under APART_CHARS: here
         # a large upload is read there too, to the same documents, its errors the same words
