@@ -1,8 +1,9 @@
 """A request's documents: a JSON list of {"id", "title", "text"}, {"documents": [...]}, or JSON lines → Documents,
 each field checked as SQL will store it, what is wrong named by its place (`Invalid.field`: documents.3.text).
 
-One parser for both places a body is read: the server's side worker for a small body, the ingest process for
-a large one (a 32 MiB body is ~0.3 s of Python: there it never holds the server's interpreter lock).
+One parser for both places a body is read: the API route for a small body (a bad one is answered at once, not
+after the ingests queued on the side worker), the ingest process for a large one (a 32 MiB body is ~0.3 s of
+Python: there it never holds the server's interpreter lock).
 """
 from __future__ import annotations
 

@@ -70,7 +70,8 @@ def test_a_flooding_tenant_gets_429s_and_the_other_all_200s(fair_server):
 
 
 def test_a_large_ingest_does_not_hold_up_another_tenants_generate(fair_server):
-    """Tenant A ingests 9,000 documents; tenant B's generate answers while that ingest still runs. The ingest must
+    """Tenant A ingests 9,000 documents; tenant B's generate, and the 422 of B's bad body, answer while that ingest
+    still runs. The ingest must
     be seen running (on the side worker) before B asks: one that ended before a poll saw it proves nothing, and is
     tried again with new documents (at most 3 times). Its size is its margin: the server's first large ingest
     starts its ingest process (~3.5 s) and chunks in it (~2 s); B's first generate (its KV read from disk) took
@@ -98,11 +99,15 @@ def test_a_large_ingest_does_not_hold_up_another_tenants_generate(fair_server):
         t.join(600)  # over before it was seen: again
     with fair_server.client(KEY_B, timeout=600) as c:
         r = c.post("/v1/rag/generate", json=_body())
-    still_ingesting = t.is_alive()
+        bad = c.post("/v1/documents", params={"namespace": NAMESPACE}, content=b'[{"id": "b-1"}]',
+                     headers={"content-type": "application/json"})  # a small bad body: checked before any queue
+    still_ingesting, side_busy = t.is_alive(), fair_server.metric("ragcache_running") >= 1  # B's are answered
     t.join(600)
     assert seen[-1], "the ingest was never seen running in 3 tries"
     assert r.status_code == 200, r.text
+    assert bad.status_code == 422 and bad.json()["error"]["param"] == "documents.0.text", bad.text
     assert still_ingesting, "the generate answered only after the ingest was done"
+    assert side_busy, "the bad body's 422 came only after the ingest was done"
     assert box[0].status_code == 200 and box[0].json()["documents"]["added"] == 9000
 
 
