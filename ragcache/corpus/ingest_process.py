@@ -6,7 +6,10 @@ small op of the model thread's forward pass waits for that lock (BENCHMARKS.md, 
 generate"). The child holds the model's tokenizer and its own database connection, started on the first
 large ingest or upload and kept; it runs `ingest_documents` as the thread would, one request at a time. An ingest is
 one transaction and idempotent, so a child that dies mid-way loses nothing: the request is answered 503 and
-can be sent again (documents already in are left as they are); the next one starts a new child.
+can be sent again (documents already in are left as they are); the next one starts a new child. The child runs at
+nice 19: its chunking otherwise took a core from the model's two threads, and every decode step waited for the one
+that lost it (BENCHMARKS.md, issue 21: another tenant's slowest request beside a 250K-document ingest 1.2–1.4 s at
+nice 0, 0.55–0.57 s at 19, the ingest as fast: it runs in the gaps).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from .ingest import IngestReport
 log = logging.getLogger("ragcache.ingest")
 
 APART_CHARS = 1 << 20  # a request with this much text (or a file this many bytes) or more goes to the child
-NICE = 19  # the child's: a core it shares with the model's threads is theirs when they want it (BENCHMARKS.md)
+NICE = 19  # the child's: a core it shares with the model's threads is theirs whenever they want it
 
 
 class IngestProcess:
@@ -131,10 +134,7 @@ def _serve(conn) -> None:
     from .ingest import ingest_documents
     from .readers import read_file
 
-    # Its seconds of chunking otherwise take a core from the model's two threads, and every decode step waits
-    # for the one that lost it: beside a 250K-document ingest another tenant's TTFT p99 1.2-1.4 s at nice 0,
-    # 0.55-0.57 s at 19, the ingest as fast (it runs in the gaps)
-    os.nice(NICE)
+    os.nice(NICE)  # the model's threads first (the module's docstring)
     tokenizer_dir, tokenizer_id, db_url = conn.recv()
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)

@@ -71,9 +71,8 @@ def test_a_flooding_tenant_gets_429s_and_the_other_all_200s(fair_server):
 
 def test_a_large_ingest_does_not_hold_up_another_tenants_generate(fair_server):
     """Tenant A ingests 9,000 documents; tenant B's generate, and the 422 of B's bad body, answer while that ingest
-    still runs. The ingest must
-    be seen running (on the side worker) before B asks: one that ended before a poll saw it proves nothing, and is
-    tried again with new documents (at most 3 times). Its size is its margin: the server's first large ingest
+    still runs. The ingest must be seen running (on the side worker) before B asks: one that ended before a poll
+    saw it proves nothing, and is tried again with new documents (at most 3 times). Its size is its margin: the server's first large ingest
     starts its ingest process (~3.5 s) and chunks in it (~2 s); B's first generate (its KV read from disk) took
     0.69–0.80 s beside it, 0.59–0.73 s alone, and the ingest ran ~5 s past B's answer. In the server's own
     process the same ingest held B's small ops for the interpreter lock: 0.8–0.9 s after the lock changed hands
