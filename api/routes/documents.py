@@ -10,7 +10,6 @@ from starlette.concurrency import run_in_threadpool
 
 from ragcache.corpus.body import json_problem, parse_body, problem
 from ragcache.corpus.chunking import Document
-from ragcache.corpus.ingest_process import APART_CHARS
 from ragcache.errors import Conflict, UserError
 
 from ..auth import Caller, caller
@@ -46,7 +45,7 @@ async def add_documents(request: Request, namespace: NamespaceQuery = "default",
     if content_type.startswith("multipart/form-data"):
         docs, errors = await _files(request)
         report = await on_side_worker(request, lambda: svc.corpus.ingest_documents(docs, namespace, apart=True))
-    elif len(raw := await request.body()) < APART_CHARS:  # parsed here: a bad body's 422 waits on no queue
+    elif not svc.corpus.apart(len(raw := await request.body())):  # parsed here: a bad body's 422 waits on no queue
         docs = await run_in_threadpool(parse_body, raw, content_type)
         report = await on_side_worker(request, lambda: svc.corpus.ingest_documents(docs, namespace))
     else:  # parsed where it is ingested, in the ingest process

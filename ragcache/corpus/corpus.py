@@ -88,9 +88,14 @@ class Corpus:
         child = self._child(len(data))
         return child.read(name, data) if child is not None else read_file(name, data)
 
+    def apart(self, size: int) -> bool:
+        """Whether work of `size` (characters, bytes) goes to the child process: from APART_CHARS up, given a model
+        on disk for its tokenizer."""
+        return size >= APART_CHARS and self.p.model.path is not None
+
     def _child(self, size: int) -> IngestProcess | None:
-        """The child process, for work of `size` (characters, bytes) from APART_CHARS up; None: in this thread."""
-        if size < APART_CHARS or self.p.model.path is None:
+        """The child process, for work of `size` that goes there (`apart`); None: in this thread."""
+        if not self.apart(size):
             return None
         if self._apart is None:
             self._apart = IngestProcess(self.p.model.path, self.p.model.tokenizer_id, self.p.settings.db_url)
