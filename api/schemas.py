@@ -30,7 +30,8 @@ class GenerateRequest(Strict):
     top_k: int | None = Field(default=None, ge=1, le=64)
     mode: Mode | None = None
     recompute_ratio: float | None = Field(default=None, ge=0, le=1,
-                                          description="cacheblend, probe, a3, blendq: share of context rows recomputed")
+                                          description="cacheblend, probe, a3, blendq, deferred (its repair after the "
+                                                      "first token): share of context rows recomputed")
     epic_k: int | None = Field(default=None, ge=0, le=4096, description="epic: tokens recomputed per chunk")
     target_kl: float | None = Field(default=None, ge=0, le=100, description=TARGET_KL)
     max_tokens: int | None = Field(default=None, ge=1, le=1 << 20, description="the model's context bounds it")
@@ -68,6 +69,7 @@ class Timings(BaseModel):
     queue: float = Field(default=0.0, description="waiting for the KV budget and a scheduler step")
     blend: float
     ttft: float
+    repair: float = Field(default=0.0, description="deferred: the repair after the first token (part of decode)")
     decode: float
     total: float
 

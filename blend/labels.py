@@ -14,7 +14,8 @@ from .reweight import Reweight, Reweighted
 from .select import POLICIES
 from .select_query import A3, Adaptive, Probe
 
-_KNOB = {"cacheblend": "ratio", "probe": "ratio", "a3": "ratio", "blendq": "ratio", "epic": "k", "adaptive": "coverage"}
+_KNOB = {"cacheblend": "ratio", "probe": "ratio", "a3": "ratio", "blendq": "ratio", "epic": "k", "adaptive": "coverage",
+        "deferred": "ratio"}
 _EXTRA = {"layers": (Probe, Adaptive), "epic": (Probe,), "window": (A3,), "max": (Adaptive,)}  # +name@value
 _FIELD = {"layers": "layers", "epic": "epic_k", "window": "window", "max": "max_ratio"}
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .deferred import Deferred
 from .plan import Layout, Plan
 from .runner import Check
 from .select_query import A3, Adaptive, BlendQ, Probe
@@ -130,7 +131,7 @@ class _TopDeviation:
 
 
 POLICIES = {"full": Full, "prefix": Prefix, "reuse": Reuse, "epic": Epic, "cacheblend": CacheBlend, "probe": Probe,
-            "adaptive": Adaptive, "a3": A3, "blendq": BlendQ}
+            "adaptive": Adaptive, "a3": A3, "blendq": BlendQ, "deferred": Deferred}
 
 
 def make_policy(mode: str, **params):

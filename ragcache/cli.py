@@ -66,6 +66,8 @@ def _add_eval_flags(p: argparse.ArgumentParser) -> None:
                    help="probe: layers the question runs through to score the context (0: all); several → each")
     p.add_argument("--coverages", type=_floats, default=None,
                    help="adaptive: share of the question's attention whose stale rows are recomputed")
+    p.add_argument("--deferred-ratios", type=_floats, default=None,
+                   help="deferred: the probe ratios of the repair made after reuse's first token")
     p.add_argument("--adaptive-layers", type=int, default=None, help="adaptive: layers its probe runs through (0: all)")
     p.add_argument("--ape", type=_pair, action="append", metavar="T,S",
                    help="every mode that reads chunk KV again, with APE re-weighting (temperature T, factor S); "

@@ -88,7 +88,7 @@ def eval_config(args, settings):
 
     given = {"modes": args.modes.split(",") if args.modes else None, "ratios": args.ratios, "epic_ks": args.epic_k,
              "probe_ratios": args.probe_ratios, "probe_layers": args.probe_layers, "coverages": args.coverages,
-             "adaptive_layers": args.adaptive_layers,
+             "adaptive_layers": args.adaptive_layers, "deferred_ratios": args.deferred_ratios,
              "ape": [] if args.no_ape else args.ape or ([(settings.ape_temperature, settings.ape_factor)]  # the server's
                                                         if (settings.ape_temperature, settings.ape_factor) != (1, 1) else [])}
     return EvalConfig(Path(args.dataset), **{k: v for k, v in given.items() if v is not None},

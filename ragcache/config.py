@@ -8,8 +8,9 @@ from pathlib import Path
 from pydantic import ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-EVAL_MODES = ("full", "reuse", "prefix", "cacheblend", "epic", "probe", "adaptive", "a3", "blendq")  # measurable against full
-RATIO_MODES = ("cacheblend", "probe", "a3", "blendq")  # whose knob is the share of context rows recomputed
+# measurable against full
+EVAL_MODES = ("full", "reuse", "prefix", "cacheblend", "epic", "probe", "adaptive", "a3", "blendq", "deferred")
+RATIO_MODES = ("cacheblend", "probe", "a3", "blendq", "deferred")  # whose knob is the share of context rows recomputed
 MODES = (*EVAL_MODES, "auto")
 CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
@@ -84,10 +85,11 @@ class Settings(BaseSettings):
 
     # generation defaults
     top_k: int = 4
-    mode: str = "probe"  # full | prefix | reuse | cacheblend | epic | probe | adaptive | a3 | blendq | auto
+    mode: str = "probe"  # full | prefix | reuse | cacheblend | epic | probe | adaptive | a3 | blendq | deferred | auto
     cacheblend_ratio: float = 0.15
     epic_k: int = 16
     probe_ratio: float = 0.1  # probe@0.1 with APE: cacheblend@0.15's speed at 0.4–0.66× its KL (measured)
+    deferred_ratio: float = 0.2  # deferred: reuse's first token, then probe@0.2 over the prompt and it (measured)
     probe_layers: int = 0  # probe: the question runs through this many layers first (0: all; 4 at epic's budget)
     ape_temperature: float = 1.0  # APE re-weighting of the question's attention to stale context (off at 1, 1);
     ape_factor: float = 0.5  # on by default: it lowered every mode's teacher-forced KL by 21–35% (measured)
@@ -206,7 +208,7 @@ class Settings(BaseSettings):
             raise ValueError("must be > 0")
         return v
 
-    @field_validator("cacheblend_ratio", "probe_ratio")
+    @field_validator("cacheblend_ratio", "probe_ratio", "deferred_ratio")
     @classmethod
     def _share(cls, v: float) -> float:
         if not 0 <= v <= 1:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from blend import (A3, Adaptive, BlendQ, CacheBlend, Epic, Full, Prefix, Probe, Reuse, compute_chunk, fuse_and_prefill,
-                   tokens_only)
+from blend import (A3, Adaptive, BlendQ, CacheBlend, Deferred, Epic, Full, Prefix, Probe, Reuse, after_first,
+                   compute_chunk, fuse_and_prefill, repair_of, tokens_only)
 from blend.decode import Sampling, decode
 from blend.labels import label
 from blend.reweight import Reweight, Reweighted
@@ -42,7 +42,8 @@ from .scores import best_f1, f1, kl
 class EvalConfig:
     dataset: Path
     # the defaults are a plain `ragcache eval`'s: the frontier measured so far and the baselines it is held against
-    modes: list[str] = field(default_factory=lambda: ["full", "reuse", "cacheblend", "epic", "probe", "adaptive"])
+    modes: list[str] = field(default_factory=lambda: ["full", "reuse", "cacheblend", "epic", "probe", "adaptive",
+                                                      "deferred"])
     ratios: list[float] = field(default_factory=lambda: [0.15])
     epic_ks: list[int] = field(default_factory=lambda: [16])
     probe_ratios: list[float] = field(default_factory=lambda: [0.02, 0.1])
@@ -50,6 +51,7 @@ class EvalConfig:
     probe_layers: list[int] = field(default_factory=lambda: [0, 4])  # layers the probe runs through; 0: all
     coverages: list[float] = field(default_factory=lambda: [Adaptive.coverage])  # adaptive: attention covered
     adaptive_layers: int = Adaptive.layers  # adaptive: layers its probe runs through
+    deferred_ratios: list[float] = field(default_factory=lambda: [Deferred.ratio])  # the repair after the first token
     # (temperature, factor): each mode again with APE; the server's built-in default
     ape: list[tuple[float, float]] = field(default_factory=lambda: [(Settings.model_fields["ape_temperature"].default,
                                                                      Settings.model_fields["ape_factor"].default)])
@@ -106,6 +108,7 @@ def policies(cfg: EvalConfig) -> list[tuple[str, object]]:
                 if "probe" in cfg.modes else [])
         out += [Adaptive(c, cfg.adaptive_layers) for c in cfg.coverages] if "adaptive" in cfg.modes else []
         out += [A3(r, window=cfg.a3_window) for r in cfg.a3_ratios] if "a3" in cfg.modes else []
+        out += [Deferred(r) for r in cfg.deferred_ratios] if "deferred" in cfg.modes else []
         out += [BlendQ(r, window=cfg.a3_window) for r in cfg.blendq_ratios] if "blendq" in cfg.modes else []
         ape = [Reweight(t, f) for t, f in cfg.ape]
     except ValueError as e:  # a knob out of range, named by the policy
@@ -164,34 +167,64 @@ def dataset_lead(service, others: list[dict], how: str = "lead") -> str | None:
 
 
 def _run_mode(service, passages: _Passages, keys, suffix, policy, cfg: EvalConfig, reference=None) -> dict:
-    """One request: TTFT, then the teacher-forced logits along `reference` ids, then the answer."""
+    """One request: TTFT, then the teacher-forced logits along `reference` ids, then the answer. A policy that
+    repairs after the first token (`deferred`) does so in both, over that token: the reference's, then its own."""
     runner = service.runner
     t0 = time.perf_counter()
     chunks = passages.load(keys) if policy.reads_chunk_kv else [tokens_only(passages.token_ids[k]) for k in keys]
-    fused = fuse_and_prefill(runner, service.prefix, chunks, suffix, policy, headroom=cfg.max_new_tokens + cfg.tf_tokens)
+    headroom = cfg.max_new_tokens + cfg.tf_tokens
+    fused = fuse_and_prefill(runner, service.prefix, chunks, suffix, policy, headroom=headroom)
     first = int(fused.logits.argmax())
     ttft = time.perf_counter() - t0
     total = fused.layout.total
-    if reference is not None:  # a served mode decodes from its KV as a running sequence keeps it; the reference
-        fused.cache = runner.compact(fused.cache, service.kv_cache_dtype)  # (full) stays at the model's dtype
+    served = reference is not None  # a served mode decodes from its KV as a running sequence keeps it; the
+    if served:                      # reference (full) stays at the model's dtype
+        fused.cache = runner.compact(fused.cache, service.kv_cache_dtype)
+    repair = repair_of(policy)
+
+    def repaired(token: int):  # the prompt and `token` fused again by the repair policy, timed
+        t = time.perf_counter()
+        out = fuse_and_prefill(runner, service.prefix, chunks, after_first(suffix, token), repair, headroom=headroom)
+        int(out.logits.argmax())
+        seconds = time.perf_counter() - t
+        if served:
+            out.cache = runner.compact(out.cache, service.kv_cache_dtype)
+        return out, seconds
 
     def forced(ids: list[int]) -> torch.Tensor:  # (m, V): the distributions before each of ids[:m]
         m = max(1, min(cfg.tf_tokens, len(ids)))
-        rest = [] if m == 1 else [runner.forward_selected(fused.cache, torch.tensor(ids[: m - 1]),
-                                                          torch.arange(total, total + m - 1), all_logits=True).logits]
-        fused.cache.length = total  # those rows were scratch: decoding starts right after the prompt
-        return torch.cat([fused.logits[None], *rest])
+        head, f, start, ids = [fused.logits[None]], fused, total, ids[: m - 1]
+        if repair is not None and ids:
+            f, _ = repaired(ids[0])
+            head, start, ids = head + [f.logits[None]], total + 1, ids[1:]
+        rest = [runner.forward_selected(f.cache, torch.tensor(ids), torch.arange(start, start + len(ids)),
+                                        all_logits=True).logits] if ids else []
+        f.cache.length = f.layout.total  # those rows were scratch: decoding starts right after the prompt
+        if f is not fused:
+            runner.release(f.cache)
+        return torch.cat([*head, *rest])
 
     tf = forced(reference) if reference is not None else None
-    answer = decode(runner, fused.cache, fused.logits, Sampling(cfg.max_new_tokens), service.stops)
+    last, repair_s = fused, 0.0
+    if repair is None:
+        answer = decode(runner, fused.cache, fused.logits, Sampling(cfg.max_new_tokens), service.stops)
+    elif first in service.stops:
+        answer = []
+    else:  # the first token out, then the repair, then the rest from its cache
+        last, repair_s = repaired(first)
+        rest = decode(runner, last.cache, last.logits, Sampling(cfg.max_new_tokens - 1),
+                      service.stops) if cfg.max_new_tokens > 1 else []
+        answer = [first, *rest]
+        runner.release(last.cache)
     if reference is None:
         tf = forced(answer)  # full prefill: its own answer is the reference
-    layout, last = fused.layout, fused.kv_rows[-1]
+    layout, rows = last.layout, last.kv_rows[-1]
     context = layout.suffix_start - layout.prefix_len
-    recomputed = int(((last >= layout.prefix_len) & (last < layout.suffix_start)).sum())
+    recomputed = int(((rows >= layout.prefix_len) & (rows < layout.suffix_start)).sum())
+    work = fused.work_fraction + (last.work_fraction if last is not fused else 0.0)
     runner.release(fused.cache)
-    return {"ttft_s": ttft, "first": first, "answer_ids": answer, "tf": tf,
-            "recompute_fraction": recomputed / max(context, 1), "work_fraction": fused.work_fraction}
+    return {"ttft_s": ttft, "repair_s": repair_s, "first": first, "answer_ids": answer, "tf": tf,
+            "recompute_fraction": recomputed / max(context, 1), "work_fraction": work}
 
 
 def evaluate(service, cfg: EvalConfig, progress: bool = True) -> dict:
@@ -227,7 +260,7 @@ def evaluate(service, cfg: EvalConfig, progress: bool = True) -> dict:
                     "answer": text, "ttft_s": out["ttft_s"], "f1_gold": best_f1(text, item["answers"]),
                     "f1_vs_full": f1(text, full_text), "top1_agree": float(out["first"] == full["first"]),
                     "kl_first": float(kl(full["tf"][0], out["tf"][0])),
-                    "kl_tf": float(kl(full["tf"][:m], out["tf"][:m]).mean()),
+                    "kl_tf": float(kl(full["tf"][:m], out["tf"][:m]).mean()), "repair_s": out["repair_s"],
                     "recompute_fraction": out["recompute_fraction"], "work_fraction": out["work_fraction"]}
             per_question.append(row)
             if bar:
@@ -252,7 +285,8 @@ def _aggregate(rows: list[dict], labels: list[str]) -> dict:
         ms = [r["modes"][label] for r in rows]
         ttft = statistics.median(m["ttft_s"] for m in ms)
         mean = lambda key: sum(m[key] for m in ms) / len(ms)  # noqa: E731
-        out[label] = {"ttft_s_median": ttft, "speedup_vs_full": full_ttft / ttft, "f1_gold": mean("f1_gold"),
+        out[label] = {"ttft_s_median": ttft, "speedup_vs_full": full_ttft / ttft,
+                      "repair_s_median": statistics.median(m["repair_s"] for m in ms), "f1_gold": mean("f1_gold"),
                       "f1_vs_full": mean("f1_vs_full"), "top1_agree": mean("top1_agree"),
                       "kl_first": mean("kl_first"), "kl_tf": mean("kl_tf"),
                       "recompute_fraction": mean("recompute_fraction"), "work_fraction": mean("work_fraction")}
@@ -261,10 +295,12 @@ def _aggregate(rows: list[dict], labels: list[str]) -> dict:
 
 def table(results: dict) -> str:
     """The README's Markdown table."""
-    lines = ["| mode | TTFT s (median) | speedup vs full | recomputed | work | F1 vs full | top-1 agree | "
-             "KL first | KL teacher-forced | gold F1 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | TTFT s (median) | speedup vs full | repair s | recomputed | work | F1 vs full | top-1 agree | "
+             "KL first | KL teacher-forced | gold F1 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, m in results["modes"].items():
+        repair = m.get("repair_s_median", 0.0)  # deferred: between the first token and the second
         lines.append(f"| {label} | {m['ttft_s_median']:.3f} | {m['speedup_vs_full']:.1f}× | "
+                     f"{f'{repair:.3f}' if repair else '—'} | "
                      f"{m['recompute_fraction']:.0%} | {m['work_fraction']:.0%} | {m['f1_vs_full']:.2f} | "
                      f"{m['top1_agree']:.2f} | "
                      f"{m['kl_first']:.3f} | {m['kl_tf']:.3f} | {m['f1_gold']:.2f} |")

@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 COLORS = {"full": "black", "reuse": "tab:red", "prefix": "tab:gray", "cacheblend": "tab:blue", "epic": "tab:green",
-          "probe": "tab:purple", "adaptive": "tab:pink", "a3": "tab:orange", "blendq": "tab:brown"}
+          "probe": "tab:purple", "adaptive": "tab:pink", "a3": "tab:orange", "blendq": "tab:brown",
+          "deferred": "tab:olive"}
 
 
 def frontier(modes: dict) -> list[str]:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from ..errors import UserError
 
-METRICS = ("ttft_s_median", "speedup_vs_full", "f1_gold", "f1_vs_full", "top1_agree", "kl_first", "kl_tf",
-           "recompute_fraction", "work_fraction")
+METRICS = ("ttft_s_median", "speedup_vs_full", "repair_s_median", "f1_gold", "f1_vs_full", "top1_agree", "kl_first",
+           "kl_tf", "recompute_fraction", "work_fraction")
 
 
 def output_dir(path: str | Path) -> Path:

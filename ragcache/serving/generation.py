@@ -32,6 +32,7 @@ from ..store import decode as decode_kv
 from ..store.layers import decode_layerwise
 from .prefixes import PrefixCache
 from .rerank import rerank
+from .repair import repair
 from .sequence import Prepared, Sequence
 
 
@@ -80,8 +81,9 @@ def fixed_policy(mode: str, ratio: float | None, k: int | None, s: Settings, pro
     depth (auto serves what calibrate measured instead)."""
     knobs = {"cacheblend": {"ratio": s.cacheblend_ratio if ratio is None else ratio},
              "probe": {"ratio": s.probe_ratio if ratio is None else ratio},
+             "deferred": {"ratio": s.deferred_ratio if ratio is None else ratio},
              "epic": {"k": s.epic_k if k is None else k}}.get(mode, {})
-    if mode in RATIO_MODES and mode not in ("cacheblend", "probe") and ratio is not None:
+    if mode in RATIO_MODES and mode not in ("cacheblend", "probe", "deferred") and ratio is not None:
         knobs = {"ratio": ratio}  # else the policy's own default
     if mode == "probe" and probe_layers and s.probe_layers:
         knobs["layers"] = s.probe_layers
@@ -275,9 +277,15 @@ class Generation:
                 if cancelled():
                     seq.cancel()
                     break
+                if seq.wants_repair:  # deferred: the first token is out; the rest decode from the repair
+                    error = repair(self.p.runner, self.p.kv_cache_dtype, [seq])[0]
+                    if error is not None:
+                        raise error
+                    continue
                 seq.logits = decode_batch(self.p.runner, [seq.cache], [token])[0]
         finally:
-            self.p.runner.release(seq.cache)
+            if seq.cache is not None:
+                self.p.runner.release(seq.cache)
         return seq.result(self.totals.tokens)
 
     def _check_fits(self, head: list[int], rows, suffix: list[int], max_new: int) -> None:

@@ -16,6 +16,8 @@ over `step()`:
     pick    the next token of every running sequence, streaming its text
     release the finished or cancelled ones: their cache and budget go back at once, they answer
     decode  one forward of every sequence still running, batched
+    repair  the sequences whose first token went out under `deferred`: prompt and token fused again, batched
+            (`repair.repair`); they pick their second token at the next step
 
 `on_event(kind, payload)` gets "text" deltas as tokens decode, then exactly one of "done" (the
 result), "error" (the exception) or "cancelled". A ticket cancelled while it waits never runs;
@@ -39,6 +41,7 @@ from blend.cores import claim_cores, hand_over_quickly
 from .admission import Admission, Limits
 from .piecewise import Piecewise
 from .prep import PrepThread
+from .repair import repair
 from .side import SideWorker
 from .sequence import Prepared, Sequence
 from .tally import ServingStats
@@ -54,6 +57,7 @@ class Scheduler:
         self.admission = Admission(Limits.of(service.settings, max_queue), self.stats, service.generation.prefixes)
         self._cond = threading.Condition()  # guards `admission`; `_running` and `_piecewise` are the model thread's
         self._running: list[tuple[Ticket, Sequence]] = []
+        self._repairs: list[tuple[Ticket, Sequence]] = []  # picked their first token; their repair runs this step
         self._piecewise: Piecewise | None = None  # a long prompt recomputed across steps
         self._piece_next = True  # whether the next step runs the piecewise prefill's piece, or offers a batch
         self._stop = False
@@ -71,7 +75,7 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return (len(self.admission.admitted) + len(self._running) + self._side.busy
+        return (len(self.admission.admitted) + len(self._running) + len(self._repairs) + self._side.busy
                 + (self._piecewise is not None))
 
     @property
@@ -123,6 +127,7 @@ class Scheduler:
         done = self._pick()
         self._release(done)
         self._decode()
+        self._repair()
 
     def _admit(self) -> tuple[list[tuple[Ticket, Prepared]], int]:
         """Admit what fits the KV budget; take this step's prefill batch (none when a long one's piece runs),
@@ -208,7 +213,7 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001 — this sequence leaves; the others pick on
                     self._fail(ticket, seq.prep, seq.cache, e, "picking a token")
                     continue
-            (done if seq.finish_reason else live).append((ticket, seq))
+            (done if seq.finish_reason else self._repairs if seq.wants_repair else live).append((ticket, seq))
         self._running = live
         return done
 
@@ -250,6 +255,18 @@ class Scheduler:
             seq.logits = logits[i]
         return live
 
+    def _repair(self) -> None:
+        """Those whose first token went out under `deferred`: repaired together, their next logits."""
+        items, self._repairs = self._repairs, []
+        if not items:
+            return
+        errors = repair(self.service.runner, self.service.kv_cache_dtype, [seq for _, seq in items])
+        for (ticket, seq), error in zip(items, errors):
+            if error is None:
+                self._running.append((ticket, seq))
+            else:
+                self._fail(ticket, seq.prep, seq.cache, error, "a repair after the first token")
+
     def _fail(self, ticket: Ticket, prep: Prepared, cache, error: Exception, where: str) -> None:
         """One request failed: its cache and budget go back (once: it has left every line), it hears why."""
         log.error("a request failed in %s", where, exc_info=error)
@@ -284,8 +301,9 @@ class Scheduler:
             self._cond.notify()
         self._model_thread.join(timeout=60)
         piecewise = [self._piecewise.ticket] if self._piecewise is not None else []
-        for ticket in [*self.admission.clear(), *(t for t, _ in self._running), *piecewise]:
+        for ticket in [*self.admission.clear(), *(t for t, _ in self._running + self._repairs), *piecewise]:
             ticket.emit("cancelled", None)
         self._running.clear()
+        self._repairs.clear()
         self._side.close()
         self._prep_thread.close()

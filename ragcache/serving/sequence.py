@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blend.decode import Sampling, pick
+from blend.deferred import after_first, repair_of
 from blend.fuse import layout_of
 from blend.labels import label
 
@@ -52,12 +53,20 @@ class Prepared:
         """(prefix_kv, chunk_kvs, suffix_ids, policy, headroom) for `fuse_and_prefill` / `fuse_batch`."""
         return self.prefix, self.chunks, self.suffix, self.policy, self.sampling.max_new_tokens
 
+    def repair_args(self, token: int) -> tuple:
+        """`fuse_args` of the repair after the first token (`deferred`): the prompt and `token`, by the repair
+        policy, in a cache of the same size."""
+        return (self.prefix, self.chunks, after_first(self.suffix, token), repair_of(self.policy),
+                self.sampling.max_new_tokens - 1)
+
 
 class Sequence:
     def __init__(self, prep: Prepared, fused, tokenizer, on_text=None):
         self.prep, self.fused, self.on_text = prep, fused, on_text
         self.cache = fused.cache
         self.logits = fused.logits  # (V,) the next token's distribution
+        self.repair = None  # the repair's FusedResult once it ran (`deferred`)
+        self.repair_s = 0.0
         self.stream = TextStream(tokenizer)
         self.finish_reason: str | None = None
         self.token: int | None = None  # the last token picked, for the next decode step to feed back
@@ -83,6 +92,18 @@ class Sequence:
         self.token = token
         return token
 
+    @property
+    def wants_repair(self) -> bool:
+        """The first token is out and the policy repairs after it: the next logits come from `repaired`, not a
+        decode step. Whoever runs the repair releases `cache` first (the repair fuses from the chunk KV)."""
+        return (self.token is not None and self.repair is None and len(self.stream.ids) == 1
+                and repair_of(self.prep.policy) is not None)
+
+    def repaired(self, fused) -> None:
+        """The repair's fused prompt and first token: decoding goes on from its cache and logits."""
+        self.repair, self.cache, self.logits = fused, fused.cache, fused.logits
+        self.repair_s = time.perf_counter() - self.t_first
+
     def cancel(self) -> None:
         self.finish_reason = "cancelled"
 
@@ -97,9 +118,14 @@ class Sequence:
         t = p.times
         prompt = fused.layout.total
         recomputed = int(fused.kv_rows[-1].numel())
-        usage = {"prompt_tokens": prompt, "reused_tokens": prompt - recomputed, "recomputed_tokens": recomputed,
+        if self.repair is not None:  # the repair's rows too, the first token's own aside; reused: what it kept
+            again = int(self.repair.kv_rows[-1].numel()) - 1
+            recomputed, kept = recomputed + again, prompt - again
+        else:
+            kept = prompt - recomputed
+        usage = {"prompt_tokens": prompt, "reused_tokens": kept, "recomputed_tokens": recomputed,
                  "completion_tokens": len(self.stream.ids)}
-        tokens_totals.update(recomputed=recomputed, reused=prompt - recomputed, completion=len(self.stream.ids))
+        tokens_totals.update(recomputed=recomputed, reused=kept, completion=len(self.stream.ids))
         ms = lambda a, b: round((b - a) * 1000, 2)  # noqa: E731
         out = {
             "request_id": uuid.uuid4().hex[:16],
@@ -112,7 +138,8 @@ class Sequence:
             "usage": usage,
             "timings_ms": {"retrieve": ms(t["start"], t["retrieved"]), "load": ms(t["retrieved"], t["loaded"]),
                            "queue": ms(t["loaded"], t["admitted"]), "blend": ms(t["admitted"], self.t_first),
-                           "ttft": ms(t["start"], self.t_first), "decode": ms(self.t_first, t_end),
+                           "ttft": ms(t["start"], self.t_first), "repair": round(self.repair_s * 1000, 2),
+                           "decode": ms(self.t_first, t_end),
                            "total": ms(t["start"], t_end)},
         }
         if p.ask.explain:

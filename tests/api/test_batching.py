@@ -108,3 +108,25 @@ def test_int8_serving_kv_counts_its_own_bytes_and_batched_answers_equal_alone(in
     assert 25_000_000 < peak <= 40_000_000  # two at once (~15 MB each), never three
     for body, r in zip(bodies, together):
         assert r.json()["answer"] == _post(int8_server, body).json()["answer"]
+
+
+def test_deferred_sends_reuses_first_token_then_decodes_from_its_repair(api_server):
+    """mode deferred at recompute_ratio 1: the first token is reuse's, the rest full prefill's after it; several
+    at once, beside other modes, repaired in a batch. Where reuse's first token is full's, the whole answer is."""
+    bodies = _bodies(api_server, 8, top_k=2)
+    deferred = [{**b, "mode": "deferred", "recompute_ratio": 1.0} for b in bodies[:4]]
+    together = _all_served(api_server, deferred + bodies[4:])[:4]
+    assert api_server.metric("ragcache_kv_in_use_bytes") == 0  # every repaired cache went back
+    same_first = 0
+    for body, r in zip(deferred, together):
+        got = r.json()
+        reuse = _post(api_server, {**body, "mode": "reuse"}).json()
+        full = _post(api_server, {**body, "mode": "full"}).json()
+        assert got["policy"].startswith("deferred@1")
+        assert got["usage"]["recomputed_tokens"] > reuse["usage"]["recomputed_tokens"]  # the repair ran
+        assert got["usage"]["completion_tokens"] == 10 and got["timings_ms"]["repair"] > 0
+        one = {**body, "max_tokens": 1}
+        if _post(api_server, one).json()["answer"] == _post(api_server, {**one, "mode": "full"}).json()["answer"]:
+            same_first += 1
+            assert got["answer"] == full["answer"], (body["query"], got["answer"], full["answer"])
+    assert same_first > 0

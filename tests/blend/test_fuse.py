@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from blend import (A3, Adaptive, BlendQ, CacheBlend, Epic, Full, Prefix, Probe, Reuse, compute_chunk, compute_prefix,
-                   fuse_and_prefill, make_policy)
+from blend import (A3, Adaptive, BlendQ, CacheBlend, Deferred, Epic, Full, Prefix, Probe, Reuse, after_first,
+                   compute_chunk, compute_prefix, fuse_and_prefill, make_policy, repair_of)
 from blend.decode import Sampling, decode
 from blend.fuse import stage
 from blend.prompt import as_ids, chat_frame, encode, stop_token_ids
@@ -65,6 +65,25 @@ def test_full_recompute_reproduces_full_prefill(smol_runner, parts, chunks, refe
     res = fuse_and_prefill(smol_runner, prefix, chunks, suffix, policy, headroom=12)
     assert (res.logits - reference[0]).abs().max() <= TOL
     assert _answer(smol_runner, res.cache, res.logits) == reference[1]
+
+
+@pytest.mark.parametrize("policy", [Deferred(ratio=1.0), Reweighted(Deferred(ratio=1.0), Reweight(1.0, 0.5))], ids=str)
+def test_deferred_serves_reuse_first_then_its_full_repair_reproduces_full_prefill(smol_runner, parts, chunks, reference,
+                                                                                  policy):
+    """The first token is reuse's; the repair over the prompt and that token, at 100%, is full prefill's from there."""
+    prefix, _, suffix = parts
+    first = fuse_and_prefill(smol_runner, prefix, chunks, suffix, policy, headroom=12)
+    reuse = Reweighted(Reuse(), policy.reweight) if isinstance(policy, Reweighted) else Reuse()
+    served = fuse_and_prefill(smol_runner, prefix, chunks, suffix, reuse)
+    assert torch.equal(first.logits, served.logits)  # the first pass is reuse's (with the same APE)
+    answer = reference[1]
+    assert len(answer) > 2
+    repair = repair_of(policy)
+    assert isinstance(getattr(repair, "policy", repair), Probe) and repair_of(Reuse()) is None
+    fixed = fuse_and_prefill(smol_runner, prefix, chunks, after_first(suffix, answer[0]), repair, headroom=11)
+    whole = smol_runner.prefill(torch.cat([fixed.token_ids[:-1], torch.tensor(answer[:1])]))
+    assert (fixed.logits - whole.logits).abs().max() <= TOL
+    assert [answer[0], *_answer(smol_runner, fixed.cache, fixed.logits)][: len(answer)] == answer
 
 
 def test_partial_policies_recompute_what_they_say(smol_runner, parts, chunks):

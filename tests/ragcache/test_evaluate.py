@@ -34,8 +34,9 @@ def test_eval_writes_valid_results_and_full_recompute_matches_full(tmp_path, tin
     env = {**os.environ, "RAGCACHE_HOME": str(tmp_path / "home"), "RAGCACHE_MODEL": str(smollm.path)}
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "ragcache.cli", "eval", "--dataset", str(tiny), "--top-k", "2",
-                        "--modes", "full,reuse,cacheblend,epic,probe", "--ratios", "1.0,0.15", "--epic-k", "4",
-                        "--probe-ratios", "1.0,0.1", "--probe-epic-k", "2", "--probe-layers", "0", "--no-ape",
+                        "--modes", "full,reuse,cacheblend,epic,probe,deferred", "--ratios", "1.0,0.15", "--epic-k", "4",
+                        "--probe-ratios", "1.0,0.1", "--probe-epic-k", "2", "--probe-layers", "0",
+                        "--deferred-ratios", "1", "--no-ape",
                         "--chunk-prefill", "alone",
                         "--max-new-tokens", "8", "--out", str(out), "--quiet"], env=env, capture_output=True,
                        text=True, timeout=600)
@@ -43,7 +44,7 @@ def test_eval_writes_valid_results_and_full_recompute_matches_full(tmp_path, tin
     res = json.loads((out / "results.json").read_text())
     assert {"model", "dataset", "n", "top_k", "modes", "per_question"} <= set(res) and res["n"] == 2
     assert list(res["modes"]) == ["full", "reuse", "cacheblend@1", "cacheblend@0.15", "epic@4", "probe@1+epic@2",
-                                 "probe@0.1+epic@2"]
+                                 "probe@0.1+epic@2", "deferred@1"]
     assert res["knobs"]["probe_epic_k"] == 2
     for m in res["modes"].values():
         assert set(m) == set(METRICS)
@@ -57,6 +58,10 @@ def test_eval_writes_valid_results_and_full_recompute_matches_full(tmp_path, tin
     probe, probe_exact = res["modes"]["probe@0.1+epic@2"], res["modes"]["probe@1+epic@2"]
     assert probe_exact["kl_tf"] < 1e-6 and probe_exact["top1_agree"] == 1
     assert 0 < probe["recompute_fraction"] < probe["work_fraction"] < 0.5  # work counts the suffix and the probe
+    reuse, deferred = res["modes"]["reuse"], res["modes"]["deferred@1"]  # reuse's first token, then full's KV
+    assert deferred["kl_first"] == pytest.approx(reuse["kl_first"]) and deferred["top1_agree"] == reuse["top1_agree"]
+    assert deferred["kl_tf"] < reuse["kl_tf"] and deferred["recompute_fraction"] == 1
+    assert deferred["repair_s_median"] > 0 and reuse["repair_s_median"] == 0
     assert (out / "results.csv").read_text().splitlines()[0] == "mode," + ",".join(METRICS)
     assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -215,10 +220,12 @@ def test_eval_labels_name_every_variant(tmp_path):
     assert list(labels) == ["full", "reuse", "probe@0.1", "probe@0.1+layers@8", "reuse+ape@1,0.5",
                             "probe@0.1+ape@1,0.5", "probe@0.1+layers@8+ape@1,0.5"]
     assert labels["probe@0.1+layers@8+ape@1,0.5"] == Reweighted(Probe(0.1, layers=8), Reweight(1.0, 0.5))
-    more = dict(policies(EvalConfig(tmp_path / "x.json", modes=["cacheblend", "epic", "probe", "adaptive", "a3"],
+    more = dict(policies(EvalConfig(tmp_path / "x.json", modes=["cacheblend", "epic", "probe", "adaptive", "a3",
+                                                                "deferred"],
                                     ratios=[0.15], epic_ks=[16], probe_ratios=[0.1], probe_layers=[4], probe_epic_k=2,
                                     coverages=[0.9], adaptive_layers=2, a3_window=1, ape=[(1.0, 0.5)])))
-    assert {"adaptive@0.9+layers@2+ape@1,0.5", "epic@16", "probe@0.1+layers@4+epic@2", "a3@0.15+window@1"} <= set(more)
+    assert {"adaptive@0.9+layers@2+ape@1,0.5", "epic@16", "probe@0.1+layers@4+epic@2", "a3@0.15+window@1",
+            "deferred@0.2", "deferred@0.2+ape@1,0.5"} <= set(more)
     for label, policy in {**labels, **more}.items():  # what `auto` serves is the policy its label names
         assert parse(label) == policy, label
     for bad in ("nope@1", "epic@x", "reuse@0.5", "probe@2", "cacheblend@0.1+layers@2", "reuse+ape@0,1"):
