@@ -124,12 +124,21 @@ def _behind(results: dict) -> str:
                                        if lead else "")
 
 
+def calibrate_config(args, settings):
+    """A plain eval's modes but `deferred`, unless named: `auto` picks by time to first token, and deferred's is
+    reuse's while its answer ends later than the mode it repairs with."""
+    cfg = eval_config(args, settings)
+    if not args.modes:
+        cfg.modes = [m for m in cfg.modes if m != "deferred"]
+    return cfg
+
+
 def calibrate(args, settings) -> int:
     from .evaluation.calibrate import calibrate as choose
     from .service import RagCache
 
     with RagCache(settings) as service:
-        choice = choose(service, eval_config(args, settings), args.target_kl, progress=not args.quiet)
+        choice = choose(service, calibrate_config(args, settings), args.target_kl, progress=not args.quiet)
     print(choice.line())
     return 0
 

@@ -113,3 +113,16 @@ def test_ingest_a_folder_of_mixed_files_reports_each_bad_one_and_ingests_the_res
     assert len(bad) == 2 and "scan.pdf: cannot be read as PDF" in bad[1] and "data.xyz: unsupported type" in bad[0]
     r = _run("ingest", str(folder), "--namespace", "mixed", env=env)
     assert "documents: added=0 unchanged=2" in r.stdout  # an unchanged file is a no-op
+
+
+def test_a_plain_eval_measures_deferred_and_a_plain_calibrate_leaves_it_to_be_named(settings):
+    from ragcache.cli import build_parser
+    from ragcache.commands import calibrate_config, eval_config
+
+    parse = build_parser().parse_args
+    assert "deferred" in eval_config(parse(["eval", "--dataset", "x.json"]), settings).modes
+    calibrate = ["calibrate", "--dataset", "x.json", "--target-kl", "0.05"]
+    plain = calibrate_config(parse(calibrate), settings).modes
+    assert "deferred" not in plain and {"reuse", "probe", "cacheblend"} <= set(plain)
+    named = calibrate_config(parse([*calibrate, "--modes", "full,deferred"]), settings)
+    assert named.modes == ["full", "deferred"]
