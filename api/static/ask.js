@@ -98,12 +98,12 @@ function showResult(d) {
   renderTokens(d.explain);
   const u = d.usage || {}, t = d.timings_ms || {};
   askStatus(`prompt ${u.prompt_tokens} tok · reused ${u.reused_tokens} (${pct(u.reused_tokens / u.prompt_tokens)})`
-    + ` · recomputed ${u.recomputed_tokens} · TTFT ${fmtMs(t.ttft)} ms · total ${fmtMs(t.total)} ms · ${u.completion_tokens} tok out`);
+    + ` · recomputed ${u.recomputed_tokens} · TTFT ${fmtMs(t.ttft)} ms${t.repair ? ` · repair ${fmtMs(t.repair)} ms` : ""} · total ${fmtMs(t.total)} ms · ${u.completion_tokens} tok out`);
   selectedId = d.request_id;
   refreshRecent();
 }
 
-const RATIO_MODES = ["cacheblend", "probe", "a3", "blendq"];  // whose knob is the share recomputed
+const RATIO_MODES = ["cacheblend", "probe", "a3", "blendq", "deferred"];  // whose knob is the share recomputed
 
 async function ask(ev) {
   ev.preventDefault();
