@@ -10,7 +10,8 @@ import torch
 
 from blend import Full
 
-from ..evaluation.evaluate import EvalConfig, _Passages, _run_mode, dataset_lead, load_dataset, policies
+from ..evaluation.evaluate import EvalConfig, _Passages, dataset_lead, load_dataset, policies
+from ..evaluation.measure import run_mode
 from ..evaluation.scores import kl
 from ..store import decode, encode
 from ..store.codec import to_bytes
@@ -88,10 +89,10 @@ def fidelity(service, dataset: str, codecs: list[str], passages: list[int], limi
             texts = [c["text"] for c in item["ctxs"][:n]]
             suffix = as_ids(tokenize(service.tokenizer, "Question: " + item["question"]) + service.frame.tail)
             keys = {codec: p.ensure(texts) for codec, p in stores.items()}
-            full = _run_mode(service, stores["raw"], keys["raw"], suffix, Full(), cfg)
+            full = run_mode(service, stores["raw"], keys["raw"], suffix, Full(), cfg)
             for codec, p in stores.items():
                 for label, policy in modes:
-                    out = _run_mode(service, p, keys[codec], suffix, policy, cfg, reference=full["answer_ids"])
+                    out = run_mode(service, p, keys[codec], suffix, policy, cfg, reference=full["answer_ids"])
                     m = min(len(full["tf"]), len(out["tf"]))
                     s = sums.setdefault((codec, label), [0.0, 0.0, 0.0])
                     s[0] += float(kl(full["tf"][:m], out["tf"][:m]).mean())

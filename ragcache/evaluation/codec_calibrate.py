@@ -24,12 +24,13 @@ from ..store import decode, encode
 from ..store.codec import rotate_k, to_bytes
 from ..store.codecs import DEFAULT, save_calibration, spec_for
 from ..store.compact import Spec
-from .evaluate import EvalConfig, _run_mode, dataset_lead, load_dataset
+from .evaluate import EvalConfig, dataset_lead, load_dataset
+from .measure import run_mode
 from .scores import kl
 
 
 class _Given:
-    """The chunk KVs of one measurement, in the shape `_run_mode` loads them."""
+    """The chunk KVs of one measurement, in the shape `run_mode` loads them."""
 
     def __init__(self, chunks: list[ChunkKV]):
         self.chunks = chunks
@@ -49,7 +50,7 @@ def _mixed(exact: ChunkKV, k_pre: torch.Tensor, coded: ChunkKV, layer: int | Non
 
 def _kl_tf(service, chunks, suffix, cfg, full) -> float:
     """Reuse over `chunks`, teacher-forced along full prefill's answer (its own answer, one token, unused)."""
-    out = _run_mode(service, _Given(chunks), list(range(len(chunks))), suffix, Reuse(), replace(cfg, max_new_tokens=1),
+    out = run_mode(service, _Given(chunks), list(range(len(chunks))), suffix, Reuse(), replace(cfg, max_new_tokens=1),
                     reference=full["answer_ids"])
     m = min(len(full["tf"]), len(out["tf"]))
     return float(kl(full["tf"][:m], out["tf"][:m]).mean())
@@ -72,7 +73,7 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: int, base: 
         chunks = [compute_chunk(runner, as_ids(tokenize(service.tokenizer, c["text"] + SEPARATOR)), behind)
                   for c in item["ctxs"][:top_k]]
         suffix = as_ids(tokenize(service.tokenizer, "Question: " + item["question"]) + service.frame.tail)
-        full = _run_mode(service, _Given(chunks), list(range(len(chunks))), suffix, Full(), cfg)
+        full = run_mode(service, _Given(chunks), list(range(len(chunks))), suffix, Full(), cfg)
         coded, pre = [], []
         for c in chunks:
             entry = encode(c, "float32", base_spec, runner.inv_freq)
