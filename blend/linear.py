@@ -5,7 +5,8 @@ the few-row products of selective recompute, faster for full prefill too), F.lin
 (CUDA, half precision, builds without oneDNN). Decode (`RAGCACHE_DECODE_WEIGHTS`) reads every weight
 once per step for a handful of rows, so it is bound by the weights' bytes: `float16` keeps a second,
 half-size copy that fbgemm's GEMM widens to float32 inside its kernel (weight-only: the rows and the
-sums stay float32); `int8` a quarter-size copy, one symmetric scale per output row, through fbgemm's
+sums stay float32); `int8` a quarter-size copy, one symmetric scale per output row (7 bits on a CPU without
+AVX-512 VNNI, where 8 would saturate fbgemm's int16 sums: `_int8_levels`), through fbgemm's
 dynamic int8 GEMM, which quantizes each call's rows to 8 bits too (each row over its own range), so it
 is not weight-only: ~1% relative error a product, where float16's is ~0.02%. `int4` keeps the blocks' matrices
 in 4-bit groups of 32 and the LM head in 8-bit groups (GGUF's Q4_1 and Q8_0: the bundled SmolLM2's own
@@ -14,6 +15,7 @@ and the fastest step for one sequence; slower than `int8` from a few rows on.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -137,11 +139,24 @@ def _group_linear(x: torch.Tensor, w, b: torch.Tensor | None = None, ln: torch.T
     return y if b is None else y + b
 
 
+@functools.cache
+def _int8_levels() -> int:
+    """The weights' largest level: 127 where fbgemm multiplies with AVX-512 VNNI (int32 sums), 63 elsewhere. Without
+    VNNI it sums pairs of u8 · s8 products in int16 (`vpmaddubsw`), which saturates past 2 · 255 · 64: on an AVX2
+    host 127 levels put the logits 39% off float32's, 63 levels 4% (tests/blend/test_linear.py)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return 127 if "avx512_vnni" in f.read() else 63
+    except OSError:
+        return 63
+
+
 def _int8_prepack(w: torch.Tensor):
-    """(out, in) float32 → (fbgemm's packed int8 matrix, w ≈ scale[o] · q[o, :] with q in [−127, 127];
+    """(out, in) float32 → (fbgemm's packed int8 matrix, w ≈ scale[o] · q[o, :] with q in [−L, L] (`_int8_levels`);
     its row sums (1, out) as packed, for `_int8_linear`)."""
-    scale = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # (out,)
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127)
+    top = _int8_levels()
+    scale = (w.abs().amax(1) / top).clamp_min(torch.finfo(torch.float32).tiny)  # (out,)
+    q = torch.round(w / scale[:, None]).clamp_(-top, top)
     with warnings.catch_warnings():  # torch marks its quantized tensors deprecated; fbgemm's GEMM takes only them
         warnings.filterwarnings("ignore", message=".*quantized tensor creation.*deprecated", category=UserWarning)
         qw = torch._make_per_channel_quantized_tensor(q.to(torch.int8), scale.double(),
