@@ -118,11 +118,9 @@ class Sequence:
         t = p.times
         prompt = fused.layout.total
         recomputed = int(fused.kv_rows[-1].numel())
-        if self.repair is not None:  # the repair's rows too, the first token's own aside; reused: what it kept
-            again = int(self.repair.kv_rows[-1].numel()) - 1
-            recomputed, kept = recomputed + again, prompt - again
-        else:
-            kept = prompt - recomputed
+        if self.repair is not None:  # deferred: what the answer decodes from is the repair's (the token's row aside)
+            recomputed = int(self.repair.kv_rows[-1].numel()) - 1
+        kept = prompt - recomputed
         usage = {"prompt_tokens": prompt, "reused_tokens": kept, "recomputed_tokens": recomputed,
                  "completion_tokens": len(self.stream.ids)}
         tokens_totals.update(recomputed=recomputed, reused=kept, completion=len(self.stream.ids))

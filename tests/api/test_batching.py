@@ -124,6 +124,7 @@ def test_deferred_sends_reuses_first_token_then_decodes_from_its_repair(api_serv
         full = _post(api_server, {**body, "mode": "full"}).json()
         assert got["policy"].startswith("deferred@1")
         assert got["usage"]["recomputed_tokens"] > reuse["usage"]["recomputed_tokens"]  # the repair ran
+        assert got["usage"]["prompt_tokens"] == got["usage"]["reused_tokens"] + got["usage"]["recomputed_tokens"]
         assert got["usage"]["completion_tokens"] == 10 and got["timings_ms"]["repair"] > 0
         one = {**body, "max_tokens": 1}
         if _post(api_server, one).json()["answer"] == _post(api_server, {**one, "mode": "full"}).json()["answer"]:

@@ -225,7 +225,7 @@ def test_ask_answers_from_stored_kv_and_recomputes_corrupt_blobs(tmp_path, preco
     assert r.returncode == 0, r.stderr
     stored = json.loads(r.stdout)
     assert set(stored) == {"request_id", "answer", "mode", "policy", "finish_reason", "chunks", "usage", "timings_ms"}
-    assert set(stored["timings_ms"]) == {"queue", "retrieve", "load", "blend", "ttft", "decode", "total"}
+    assert set(stored["timings_ms"]) == {"queue", "retrieve", "load", "blend", "ttft", "repair", "decode", "total"}
     assert {c["tier"] for c in stored["chunks"]} <= {"disk", "cpu"} and stored["answer"]
     assert stored["usage"]["prompt_tokens"] == stored["usage"]["reused_tokens"] + stored["usage"]["recomputed_tokens"]
     for blob in (Path(env["RAGCACHE_HOME"]) / "kv").glob("*/*.safetensors"):
