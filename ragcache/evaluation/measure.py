@@ -12,8 +12,9 @@ from blend.decode import Sampling, decode
 
 
 def run_mode(service, passages, keys, suffix, policy, cfg, reference=None) -> dict:
-    """One request (`passages`: what `load(keys)` gives chunk KV and `token_ids[key]` the ids; `cfg`: an EvalConfig): TTFT, then the teacher-forced logits along `reference` ids, then the answer. A policy that
-    repairs after the first token (`deferred`) does so in both, over that token: the reference's, then its own."""
+    """One request: TTFT, then the teacher-forced logits along `reference` ids, then the answer. A policy that
+    repairs after the first token (`deferred`) does so in both, over that token: the reference's, then its own.
+    `passages.load(keys)` gives the chunk KV and `passages.token_ids[key]` the ids; `cfg` is an EvalConfig."""
     runner = service.runner
     t0 = time.perf_counter()
     chunks = passages.load(keys) if policy.reads_chunk_kv else [tokens_only(passages.token_ids[k]) for k in keys]
