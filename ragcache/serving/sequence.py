@@ -65,7 +65,8 @@ class Sequence:
         self.prep, self.fused, self.on_text = prep, fused, on_text
         self.cache = fused.cache
         self.logits = fused.logits  # (V,) the next token's distribution
-        self.repair = None  # the repair's FusedResult once it ran (`deferred`)
+        self.repairs_with = repair_of(prep.policy)  # deferred: the policy of the repair after the first token
+        self.repair = None  # the repair's FusedResult once it ran
         self.repair_s = 0.0
         self.stream = TextStream(tokenizer)
         self.finish_reason: str | None = None
@@ -97,7 +98,7 @@ class Sequence:
         """The first token is out and the policy repairs after it: the next logits come from `repaired`, not a
         decode step. Whoever runs the repair releases `cache` first (the repair fuses from the chunk KV)."""
         return (self.token is not None and self.repair is None and len(self.stream.ids) == 1
-                and repair_of(self.prep.policy) is not None)
+                and self.repairs_with is not None)
 
     def repaired(self, fused) -> None:
         """The repair's fused prompt and first token: decoding goes on from its cache and logits."""
