@@ -57,7 +57,7 @@ def ask(args, settings) -> int:
     import json
 
     from .service import RagCache
-    from .serving.generation import fixed_policy
+    from .serving.policy import fixed_policy
 
     mode = args.mode or settings.mode
     if mode not in ("auto", "adaptive"):  # a knob out of range named before the model loads, not after

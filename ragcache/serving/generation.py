@@ -16,20 +16,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blend import ChunkKV, KVCache, fuse_and_prefill, make_policy, tokens_only
+from blend import ChunkKV, KVCache, fuse_and_prefill, tokens_only
 from blend.batch import decode_batch
-from blend.reweight import Reweight, Reweighted
 from blend.decode import Sampling
-from blend.labels import parse
 from blend.prompt import as_ids, conversation
 
-from ..config import RATIO_MODES, Settings
 from ..corpus.corpus import Corpus, check_query
 from ..corpus.ingest import same_tokenizer, unpack_ids
 from ..errors import NotFound, UserError
-from ..meta import ModelDefault
 from ..store import decode as decode_kv
 from ..store.layers import decode_layerwise
+from .policy import policy_for
 from .prefixes import PrefixCache
 from .rerank import rerank
 from .repair import repair
@@ -65,34 +62,6 @@ class Ask:
         return self.tenant or self.namespace
 
 
-def _calibrated(default: ModelDefault, target_kl: float, family: str | None):
-    """The policy calibrate measured fastest within `target_kl`, as measured; None when there is none it can
-    serve (not measured, or points this version cannot read: the row's mode and knob serve instead)."""
-    try:
-        label = default.fastest(target_kl, family)
-        return None if label is None else parse(label)
-    except (ValueError, TypeError, KeyError):  # a damaged or foreign `points`: never a 500 per request
-        return None
-
-
-def fixed_policy(mode: str, ratio: float | None, k: int | None, s: Settings, probe_layers: bool = True):
-    """The policy of a mode that is not chosen per request (not auto), its knobs from the request or else the
-    settings; UserError names an unknown mode or a knob out of range. `probe_layers`: the configured probe
-    depth (auto serves what calibrate measured instead)."""
-    knobs = {"cacheblend": {"ratio": s.cacheblend_ratio if ratio is None else ratio},
-             "probe": {"ratio": s.probe_ratio if ratio is None else ratio},
-             "deferred": {"ratio": s.deferred_ratio if ratio is None else ratio},
-             "epic": {"k": s.epic_k if k is None else k}}.get(mode, {})
-    if mode in RATIO_MODES and mode not in ("cacheblend", "probe", "deferred") and ratio is not None:
-        knobs = {"ratio": ratio}  # else the policy's own default
-    if mode == "probe" and probe_layers and s.probe_layers:
-        knobs["layers"] = s.probe_layers
-    try:
-        return make_policy(mode, **knobs)
-    except ValueError as e:  # an unknown mode or a knob out of range, named by blend
-        raise UserError(str(e)) from None
-
-
 @dataclass
 class Totals:
     """What every request added up to (read by /metrics)."""
@@ -108,51 +77,7 @@ class Generation:
         self.prefixes = PrefixCache(parts)  # other system prompts' KV
 
     def policy_for(self, mode: str, ratio: float | None = None, k: int | None = None, target_kl: float | None = None):
-        """A selection policy. `auto` serves the mode `ragcache calibrate` measured fastest within `target_kl`
-        (else within the calibration's own target) exactly as measured, APE and probe depth included;
-        `adaptive` takes the coverage measured to reach it."""
-        s = self.p.settings
-        asked = mode
-        if target_kl is not None and mode not in ("auto", "adaptive"):
-            raise UserError(f"target_kl applies to mode auto or adaptive, not {mode}")
-        ape_named = bool({"ape_temperature", "ape_factor"} & s.model_fields_set)
-        default = self._model_default() if mode in ("auto", "adaptive") or not ape_named else None  # one read
-        if mode == "auto" or (mode == "adaptive" and target_kl is not None):
-            target = target_kl if target_kl is not None or default is None else default.target_kl
-            policy = None if default is None else _calibrated(default, target, None if mode == "auto" else mode)
-            if policy is not None:
-                return policy
-            if target_kl is not None:
-                raise UserError(f"target_kl needs this model's {mode} mode measured: run `ragcache calibrate` first "
-                                "(or leave target_kl out)")
-            if default is None:  # nothing calibrated: the configured mode, or the built-in one
-                mode = asked = s.mode if s.mode != "auto" else Settings.model_fields["mode"].default
-            else:  # a calibration from before schema 7: its mode and knob
-                mode = default.mode
-                ratio = default.param if mode in RATIO_MODES else ratio
-                k = int(default.param) if mode == "epic" and default.param is not None else k
-        policy = fixed_policy(mode, ratio, k, s, probe_layers=mode == "probe" and asked == "probe")
-        ape = self._ape(None if ape_named else default)
-        return Reweighted(policy, ape) if ape.active and policy.reads_chunk_kv else policy
-
-    def _model_default(self) -> ModelDefault | None:
-        """What `ragcache calibrate` stored for this model, where it measured chunk KV computed as this server's
-        is (read per request: another process may calibrate)."""
-        with self.p.db.session() as ss:
-            row = ss.get(ModelDefault, self.p.model.fingerprint)
-        return row if row is not None and row.measured_for(self.p.settings.chunk_prefill) else None
-
-    def _ape(self, default: ModelDefault | None) -> Reweight:
-        """The APE `ragcache calibrate` measured best for this model where `default` holds one; else the
-        settings' (RAGCACHE_APE_TEMPERATURE/FACTOR, or the built-in default). The caller passes None when
-        the settings name an APE: a named setting wins."""
-        if default is not None:
-            try:
-                return Reweight(*map(float, default.ape.split(",")))
-            except (AttributeError, TypeError, ValueError):  # none calibrated, or a damaged value: the default
-                pass
-        s = self.p.settings
-        return Reweight(s.ape_temperature, s.ape_factor)
+        return policy_for(self.p, mode, ratio, k, target_kl)
 
     def prefix_for(self, head: list[int], namespace: str):
         """The exact prefix KV of a prompt head: the configured one, or one of a few recent others."""
