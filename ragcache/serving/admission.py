@@ -221,6 +221,16 @@ class Admission:
         """A request answered in `seconds`, submit to done: what Retry-After estimates from."""
         self.seconds_per_item = 0.8 * self.seconds_per_item + 0.2 * seconds
 
+    def drain(self) -> list[Ticket]:
+        """Every ticket in either line, which leave them giving back what they held (a step failed outside any
+        request: the scheduler fails them all)."""
+        ready, admitted = self.ready_lines.remove_if(lambda _x: True), self.admitted.remove_if(lambda _x: True)
+        for ticket, _prep in ready:
+            self.leave(ticket.tenant)
+        for _ticket, prep in admitted:
+            self.release(prep)
+        return [t for t, _ in [*ready, *admitted]]
+
     def clear(self) -> list[Ticket]:
         """Every ticket in either line, which leave them (the scheduler is closing)."""
         return [t for t, _ in [*self.ready_lines.remove_if(lambda _x: True),

@@ -1,4 +1,4 @@
-"""A long prompt recomputed across scheduler steps, so running decodes never wait more than one
+"""A long prompt (or a long repair after a first token) recomputed across scheduler steps, so running decodes never wait more than one
 step's budget behind it: the step's row cap (`Admission.step_rows`) through every layer, in row-layers
 (at least one layer a step); its pieces take turns with other requests' prefill batches. The pass runs layer by layer over all its rows, as one `forward_selected` does,
 so it gives the same bits, and a row filter (cacheblend) still ranks every row at its check layer."""
@@ -10,8 +10,10 @@ from blend.fuse import FusedResult, finish_fused, stage
 
 
 class Piecewise:
-    def __init__(self, ticket, prep):
-        self.ticket, self.prep = ticket, prep
+    def __init__(self, ticket, prep, seq=None):
+        """A request's prompt, or with `seq` that sequence's repair after its first token (`deferred`)."""
+        self.ticket, self.prep, self.seq = ticket, prep, seq
+        self.args = prep.fuse_args() if seq is None else prep.repair_args(seq.token)
         self.staged = None  # blend.fuse.Staged, once the first step assembled the cache
         self.run = None  # blend.runner.Pass: the recompute under way
         self.start = time.perf_counter()
@@ -24,8 +26,9 @@ class Piecewise:
     def step(self, runner, cap: int) -> FusedResult | None:
         """The next `cap` × layers row-layers; the fused result once the last layer ran, else None."""
         if self.staged is None:
-            self.prep.times["admitted"] = self.start
-            s = self.staged = stage(runner, *self.prep.fuse_args())
+            if self.seq is None:
+                self.prep.times["admitted"] = self.start
+            s = self.staged = stage(runner, *self.args)
             self.run = runner.start_selected(s.cache, s.token_ids[s.plan.rows], s.plan.rows,
                                              deviation_layers=s.plan.deviation_layers, row_filter=s.plan.row_filter)
         t0 = time.perf_counter()

@@ -3,21 +3,15 @@
     ticket = scheduler.submit_generation(ask, on_event)      # a request, batched with the others
     ticket = scheduler.submit(lambda t: work(), on_event)    # other work off the event loop (ingest, warm)
 
-Three threads. The prep thread (`prep.PrepThread`) does what is not model work, tenants in turn:
-tokenizing, retrieval (FAISS) and loading chunk KV from the store tiers, so that they overlap
-decoding. The side worker (`side.SideWorker`) runs `submit`'s work items (ingest, warm-up) and custom
-system prompts' prefills, which would stall the prep thread. The model thread, this module, loops
-over `step()`:
+The model thread, this module, loops over `step()` (the prep thread and the side worker: serving/__init__):
 
     admit   prepared requests while their KV fits RAGCACHE_KV_BUDGET_BYTES (`admission.Admission`)
     prefill the admitted ones whose recomputed rows fit the step (`Admission.step_rows`, one at least),
             batched, tenants in turn; a longer one runs across steps, that many rows x layers a step
             (`piecewise.Piecewise`), its pieces taking turns with the others' batches
-    pick    the next token of every running sequence, streaming its text
-    release the finished or cancelled ones: their cache and budget go back at once, they answer
-    decode  one forward of every sequence still running, batched
-    repair  the sequences whose first token went out under `deferred`: prompt and token fused again, batched
-            (`repair.repair`); they pick their second token at the next step
+    pick, release, decode, repair: the running sequences' part (`decoding.Decoding`): each picks its next
+            token, the finished answer, the rest decode in one batch, and those whose first token went out
+            under `deferred` are fused again within the step's rows (a longer one in pieces, as a prompt)
 
 `on_event(kind, payload)` gets "text" deltas as tokens decode, then exactly one of "done" (the
 result), "error" (the exception) or "cancelled". A ticket cancelled while it waits never runs;
@@ -26,7 +20,8 @@ tickets, submitting raises Busy with a Retry-After estimate.
 
 A request's exception, at any stage (plan, prefill, piece, start, pick, result, decode), is that
 request's "error" alone: its budget goes back once, the others run on. A batched prefill or decode
-that raises is tried again one request at a time, so that only a request that fails alone fails.
+that raises is tried again one request at a time (`alone`). An exception outside any request fails
+every request the thread holds, rather than leave them waiting on a loop that may fail again.
 """
 from __future__ import annotations
 
@@ -35,13 +30,15 @@ import threading
 import time
 from typing import Any, Callable
 
-from blend.batch import decode_batch, fuse_batch
+from blend.batch import fuse_batch
 from blend.cores import claim_cores, hand_over_quickly
 
 from .admission import Admission, Limits
+from .alone import each_alone
+from .decoding import Decoding
 from .piecewise import Piecewise
 from .prep import PrepThread
-from .repair import repair
+from .repair import finish
 from .side import SideWorker
 from .sequence import Prepared, Sequence
 from .tally import ServingStats
@@ -55,10 +52,9 @@ class Scheduler:
         self.service = service
         self.stats = ServingStats()
         self.admission = Admission(Limits.of(service.settings, max_queue), self.stats, service.generation.prefixes)
-        self._cond = threading.Condition()  # guards `admission`; `_running` and `_piecewise` are the model thread's
-        self._running: list[tuple[Ticket, Sequence]] = []
-        self._repairs: list[tuple[Ticket, Sequence]] = []  # picked their first token; their repair runs this step
-        self._piecewise: Piecewise | None = None  # a long prompt recomputed across steps
+        self._cond = threading.Condition()  # guards `admission`; `_seqs` and `_piecewise` are the model thread's
+        self._seqs = Decoding(service, self.stats, self.admission, self._fail, self._give_back)  # the running
+        self._piecewise: Piecewise | None = None  # a long prompt (or repair) recomputed across steps
         self._piece_next = True  # whether the next step runs the piecewise prefill's piece, or offers a batch
         self._stop = False
         hand_over_quickly()  # the model thread's ops beside the other threads' Python (blend/cores.py)
@@ -75,8 +71,7 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return (len(self.admission.admitted) + len(self._running) + len(self._repairs) + self._side.busy
-                + (self._piecewise is not None))
+        return len(self.admission.admitted) + len(self._seqs) + self._side.busy + (self._piecewise is not None)
 
     @property
     def kv_budget(self) -> int:
@@ -110,24 +105,26 @@ class Scheduler:
     def _model_loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stop and not (self.admission.has_work or self._running or self._piecewise):
+                while not self._stop and not (self.admission.has_work or self._seqs or self._piecewise):
                     self._cond.wait()
                 if self._stop:
                     return
             try:
                 self.step()
-            except Exception:  # noqa: BLE001 — the thread outlives anything one step does, emits included
+            except Exception as e:  # noqa: BLE001 — the thread outlives anything one step does, emits included
                 log.exception("the model thread caught an error outside any request")
+                self._abandon(e)
 
     def step(self) -> None:
         """One turn of the serving loop."""
-        batch, cap = self._admit()
         self._share_cores()
+        batch, cap = self._admit()
         self._prefill(batch, cap)
-        done = self._pick()
-        self._release(done)
-        self._decode()
-        self._repair()
+        self._seqs.release(self._seqs.pick())
+        self._seqs.decode()
+        piece = self._seqs.repair(cap, self._piecewise is None)
+        if piece is not None:  # a repair longer than a step: in pieces, as a long prompt
+            self._piecewise = piece
 
     def _admit(self) -> tuple[list[tuple[Ticket, Prepared]], int]:
         """Admit what fits the KV budget; take this step's prefill batch (none when a long one's piece runs),
@@ -160,18 +157,12 @@ class Scheduler:
         self._prefill_batch(batch)
 
     def _prefill_batch(self, batch: list[tuple[Ticket, Prepared]]) -> None:
-        try:
-            fused = fuse_batch(self.service.runner, [prep.fuse_args() for _, prep in batch])
-        except Exception as e:  # noqa: BLE001 — alone, each request fails or runs on its own
-            if len(batch) > 1:
-                for item in batch:
-                    self._prefill_batch([item])
-                return
-            self._fail(*batch[0], None, e, "a prefill")
-            return
-        self.stats.prefill_batch.observe(len(batch))
-        for (ticket, prep), f in zip(batch, fused):
-            self._start(ticket, prep, f)
+        ran = each_alone(batch, lambda b: fuse_batch(self.service.runner, [prep.fuse_args() for _, prep in b]),
+                         lambda item, e: self._fail(*item, None, e, "a prefill"))
+        if ran:
+            self.stats.prefill_batch.observe(len(ran))
+        for (ticket, prep), fused in ran:
+            self._start(ticket, prep, fused)
 
     def _prefill_piece(self, cap: int) -> None:
         piece = self._piecewise
@@ -189,6 +180,10 @@ class Scheduler:
         if fused is None:
             return
         self._piecewise = None
+        if piece.seq is not None:  # a repair after the first token
+            self._seqs.repaired(piece.ticket, piece.seq, finish(self.service.runner, self.service.kv_cache_dtype,
+                                                                piece.seq, fused))
+            return
         self.stats.prefill_batch.observe(1)
         self._start(piece.ticket, piece.prep, fused)
 
@@ -199,73 +194,26 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001
             self._fail(ticket, prep, fused.cache, e, "starting a sequence")
             return
-        self._running.append((ticket, seq))
+        self._seqs.running.append((ticket, seq))
 
-    def _pick(self) -> list[tuple[Ticket, Sequence]]:
-        """Every running sequence picks its next token (streaming its text); the finished and cancelled leave."""
-        live, done = [], []
-        for ticket, seq in self._running:
-            if ticket.cancelled.is_set():
-                seq.cancel()
-            else:
-                try:
-                    seq.advance()
-                except Exception as e:  # noqa: BLE001 — this sequence leaves; the others pick on
-                    self._fail(ticket, seq.prep, seq.cache, e, "picking a token")
-                    continue
-            (done if seq.finish_reason else self._repairs if seq.wants_repair else live).append((ticket, seq))
-        self._running = live
-        return done
+    def _abandon(self, error: Exception) -> None:
+        """A step failed outside any request: every request this thread holds fails with that error (each hears
+        it, its cache and budget go back), so that none waits on a loop that may fail the same way at every step,
+        and the loop waits for new work instead of spinning."""
+        with self._cond:
+            lined = self.admission.drain()
+        for ticket in lined:
+            ticket.emit("error", error)
+        for ticket, prep, cache in self._let_go():
+            self._fail(ticket, prep, cache, error, "a step that failed outside any request")
 
-    def _release(self, done: list[tuple[Ticket, Sequence]]) -> None:
-        """Each finished sequence gives back its cache and budget, then answers (or hears it was cancelled)."""
-        for ticket, seq in done:
-            if seq.finish_reason == "cancelled":
-                self._give_back(seq.prep, seq.cache)
-                ticket.emit("cancelled", None)
-                continue
-            try:
-                result = seq.result(self.service.generation.totals.tokens)
-            except Exception as e:  # noqa: BLE001
-                self._fail(ticket, seq.prep, seq.cache, e, "reporting a result")
-                continue
-            self._give_back(seq.prep, seq.cache)
-            self.admission.finished(time.perf_counter() - ticket.submitted)
-            ticket.emit("done", result)
-
-    def _decode(self) -> None:
-        """One forward of every running sequence's picked token, batched: their next logits."""
-        if not self._running:
-            return
-        self.stats.decode_batch.observe(len(self._running))
-        self._running = self._decode_batch(self._running)
-
-    def _decode_batch(self, live: list[tuple[Ticket, Sequence]]) -> list[tuple[Ticket, Sequence]]:
-        """The sequences of `live` still running after their decode (with their next logits)."""
-        try:
-            logits = decode_batch(self.service.runner, [seq.cache for _, seq in live],
-                                  [seq.token for _, seq in live])  # (B, V)
-        except Exception as e:  # noqa: BLE001 — alone, each sequence fails or runs on its own
-            if len(live) > 1:
-                return [item for one in live for item in self._decode_batch([one])]
-            ticket, seq = live[0]
-            self._fail(ticket, seq.prep, seq.cache, e, "a decode step")
-            return []
-        for i, (_, seq) in enumerate(live):
-            seq.logits = logits[i]
-        return live
-
-    def _repair(self) -> None:
-        """Those whose first token went out under `deferred`: repaired together, their next logits."""
-        items, self._repairs = self._repairs, []
-        if not items:
-            return
-        errors = repair(self.service.runner, self.service.kv_cache_dtype, [seq for _, seq in items])
-        for (ticket, seq), error in zip(items, errors):
-            if error is None:
-                self._running.append((ticket, seq))
-            else:
-                self._fail(ticket, seq.prep, seq.cache, error, "a repair after the first token")
+    def _let_go(self) -> list[tuple[Ticket, Prepared, Any]]:
+        """(ticket, prep, cache) of every request past its admission, which this thread no longer holds."""
+        held = self._seqs.let_go()
+        if self._piecewise is not None:
+            held.append((self._piecewise.ticket, self._piecewise.prep, self._piecewise.cache))
+        self._piecewise = None
+        return held
 
     def _fail(self, ticket: Ticket, prep: Prepared, cache, error: Exception, where: str) -> None:
         """One request failed: its cache and budget go back (once: it has left every line), it hears why."""
@@ -300,10 +248,7 @@ class Scheduler:
             self._stop = True
             self._cond.notify()
         self._model_thread.join(timeout=60)
-        piecewise = [self._piecewise.ticket] if self._piecewise is not None else []
-        for ticket in [*self.admission.clear(), *(t for t, _ in self._running + self._repairs), *piecewise]:
+        for ticket in [*self.admission.clear(), *(t for t, _, _ in self._let_go())]:
             ticket.emit("cancelled", None)
-        self._running.clear()
-        self._repairs.clear()
         self._side.close()
         self._prep_thread.close()

@@ -53,6 +53,11 @@ class Prepared:
         """(prefix_kv, chunk_kvs, suffix_ids, policy, headroom) for `fuse_and_prefill` / `fuse_batch`."""
         return self.prefix, self.chunks, self.suffix, self.policy, self.sampling.max_new_tokens
 
+    def repair_rows(self, num_layers: int) -> int:
+        """The rows the repair after the first token recomputes from layer 0: what a step's cap counts."""
+        layout = layout_of(self.prefix, self.chunks, self.suffix.numel() + 1)  # the prompt and its first token
+        return repair_of(self.policy).plan(layout, num_layers).recompute_rows
+
     def repair_args(self, token: int) -> tuple:
         """`fuse_args` of the repair after the first token (`deferred`): the prompt and `token`, by the repair
         policy, in a cache of the same size."""

@@ -4,10 +4,12 @@ never waits on the jobs side (SQL, a child process starting)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import ragcache.serving.decoding as decoding_module
 import ragcache.serving.scheduler as scheduler_module
 from api.metrics import Metrics
 from ragcache.config import Settings
@@ -80,8 +82,8 @@ def _inject(monkeypatch, sched: Scheduler, stage: str) -> None:
     elif stage == "result":
         wrap(Sequence, "result", lambda seq, *_: seq.prep.ask.query)
     elif stage == "decode":
-        wrap(scheduler_module, "decode_batch", lambda _runner, caches, _tokens: VICTIM if any(
-            seq.cache in caches and seq.prep.ask.query == VICTIM for _, seq in list(sched._running)) else "")
+        wrap(decoding_module, "decode_batch", lambda _runner, caches, _tokens: VICTIM if any(
+            seq.cache in caches and seq.prep.ask.query == VICTIM for _, seq in list(sched._seqs.running)) else "")
 
 
 @pytest.mark.parametrize("stage", ["plan", "prefill", "piece", "advance", "result", "decode"])
@@ -151,3 +153,77 @@ def test_another_tenants_short_prefill_runs_between_the_pieces_of_a_long_one(sch
         assert done.acquire(timeout=300), f"a request never answered: {order}"
     assert order == [("b", "done"), ("a", "done")]
 
+
+
+def test_an_error_outside_any_request_fails_what_the_thread_holds_and_it_waits_again(sched, monkeypatch):
+    """A step that raises before any request's own work (here: sharing the cores) at every step must not
+    leave the requests it holds waiting forever nor spin: each hears the error, the budget comes back, and
+    once the fault is gone the thread serves again."""
+    streaming, calls = threading.Event(), []
+    real = Scheduler._share_cores
+
+    def broken(self):
+        calls.append(1)
+        raise Injected("outside any request")
+
+    done, box = threading.Event(), []
+
+    def on_event(kind, payload):
+        if kind == "text":
+            streaming.set()
+        else:
+            box.append((kind, payload))
+            done.set()
+
+    sched.submit_generation(Ask(OTHERS[0], NAMESPACE, top_k=2, mode="reuse", max_new_tokens=64, ignore_eos=True),
+                            on_event)
+    assert streaming.wait(180), "the request never started"
+    monkeypatch.setattr(Scheduler, "_share_cores", broken)  # from its next step on, every step fails
+    assert done.wait(120), "a request held by the model thread never heard of the failure"
+    assert box[0][0] == "error" and isinstance(box[0][1], Injected)
+    waiting = _submit(sched, OTHERS[1])  # arrives while every step fails: it fails too, it does not hang
+    assert waiting[0].wait(120) and waiting[1][0][0] == "error"
+    seen = len(calls)
+    time.sleep(0.5)  # not a deadline: a spinning thread only fails more steps meanwhile
+    assert len(calls) <= seen + 1, "the thread spins on a failing step with nothing to do"
+    assert sched.kv_in_use == 0 and sched.admission.waiting == 0 and sched.running == 0
+    monkeypatch.setattr(Scheduler, "_share_cores", real)
+    again = _submit(sched, OTHERS[0])
+    assert again[0].wait(180) and again[1][0][0] == "done"
+
+
+def test_a_repair_longer_than_a_step_runs_in_pieces_between_the_others_and_answers_as_alone(sched, monkeypatch):
+    """Tenant A's `deferred@1` repair recomputes every row after its first token (~1,300, at most 256 a step):
+    it runs in pieces, as a long prompt does, so tenant B's request, submitted as A's first token goes out,
+    answers first; A's answer is the one it gets alone."""
+    pieces, real_step = [], Piecewise.step
+
+    def step(piece, *args):
+        pieces.append(piece.seq is not None)
+        return real_step(piece, *args)
+
+    monkeypatch.setattr(Piecewise, "step", step)
+    a = Ask(OTHERS[0], NAMESPACE, top_k=2, mode="deferred", ratio=1.0, max_new_tokens=2, ignore_eos=True, tenant="a")
+    b = Ask(OTHERS[1], NAMESPACE, top_k=2, mode="reuse", max_new_tokens=1, tenant="b")
+    order, boxes, done = [], {}, threading.Semaphore(0)
+
+    def on_event(tenant):
+        def handle(kind, payload):
+            if kind == "text" and tenant == "a" and "b" not in boxes:
+                boxes["b"] = None
+                sched.submit_generation(b, on_event("b"))
+            elif kind != "text":
+                order.append((tenant, kind))
+                boxes[tenant] = payload
+                done.release()
+        return handle
+
+    sched.submit_generation(a, on_event("a"))
+    for _ in range(2):
+        assert done.acquire(timeout=300), f"a request never answered: {order}"
+    assert order == [("b", "done"), ("a", "done")], order
+    assert sum(pieces) >= 2, "the repair ran in one step"
+    alone = sched.service.generation.generate(a)
+    assert boxes["a"]["answer"] == alone["answer"]
+    assert boxes["a"]["usage"]["recomputed_tokens"] == alone["usage"]["recomputed_tokens"]
+    assert sched.kv_in_use == 0 and sched.running == 0
