@@ -1,7 +1,8 @@
-"""A long prompt (or a long repair after a first token) recomputed across scheduler steps, so running decodes never wait more than one
-step's budget behind it: the step's row cap (`Admission.step_rows`) through every layer, in row-layers
-(at least one layer a step); its pieces take turns with other requests' prefill batches. The pass runs layer by layer over all its rows, as one `forward_selected` does,
-so it gives the same bits, and a row filter (cacheblend) still ranks every row at its check layer."""
+"""A long prompt, or a long repair after a first token (`deferred`), recomputed across scheduler steps, so
+running decodes never wait more than one step's budget behind it: the step's row cap (`Admission.step_rows`)
+through every layer, in row-layers (at least one layer a step); its pieces take turns with other requests'
+prefill batches. The pass runs layer by layer over all its rows, as one `forward_selected` does, so it gives
+the same bits, and a row filter (cacheblend) still ranks every row at its check layer."""
 from __future__ import annotations
 
 import time

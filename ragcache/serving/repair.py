@@ -42,7 +42,8 @@ def take(items: list[tuple], cap: int, num_layers: int, long_ok: bool):
             failed.append((item, e))
             continue
         if rows + n <= cap:
-            batch, rows = [*batch, item], rows + n
+            batch.append(item)
+            rows += n
         elif n > cap and long_ok and long_one is None:
             long_one = item
         else:
