@@ -223,15 +223,10 @@ class Admission:
 
     def drain(self) -> list[Ticket]:
         """Every ticket in either line, which leave them giving back what they held (a step failed outside any
-        request: the scheduler fails them all)."""
+        request, or the scheduler is closing)."""
         ready, admitted = self.ready_lines.remove_if(lambda _x: True), self.admitted.remove_if(lambda _x: True)
         for ticket, _prep in ready:
             self.leave(ticket.tenant)
         for _ticket, prep in admitted:
             self.release(prep)
         return [t for t, _ in [*ready, *admitted]]
-
-    def clear(self) -> list[Ticket]:
-        """Every ticket in either line, which leave them (the scheduler is closing)."""
-        return [t for t, _ in [*self.ready_lines.remove_if(lambda _x: True),
-                               *self.admitted.remove_if(lambda _x: True)]]

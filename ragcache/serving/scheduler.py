@@ -248,7 +248,7 @@ class Scheduler:
             self._stop = True
             self._cond.notify()
         self._model_thread.join(timeout=60)
-        for ticket in [*self.admission.clear(), *(t for t, _, _ in self._let_go())]:
+        for ticket in [*self.admission.drain(), *(t for t, _, _ in self._let_go())]:
             ticket.emit("cancelled", None)
         self._side.close()
         self._prep_thread.close()
