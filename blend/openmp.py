@@ -1,0 +1,15 @@
+"""How torch's OpenMP workers wait, set before torch loads its runtime (libgomp reads it once): `blend`
+imports this module first, so any use of blend sets it. A value set outside the process stays.
+
+After each parallel op torch's workers spin GOMP_SPINCOUNT times before they sleep. libgomp's default,
+300,000, lasts milliseconds where `pause` is slow (~140 cycles on Intel cores since Skylake), and a spinning
+worker holds the core that numba's workers need next: the int8 attention of a decode step runs on them after
+each fbgemm product. On a 2-core Sapphire Rapids host, a step of 16 int8 sequences (int8 decode weights):
+150 → 96 ms at 30,000; one sequence's step and a cacheblend prefill the same within noise; 10,000 and
+3,000 slow one sequence's step by 15–30% (BENCHMARKS.md).
+"""
+import os
+
+SPINCOUNT = "30000"
+
+os.environ.setdefault("GOMP_SPINCOUNT", SPINCOUNT)
