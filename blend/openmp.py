@@ -4,9 +4,9 @@ imports this module first, so any use of blend sets it. A value set outside the 
 After each parallel op torch's workers spin GOMP_SPINCOUNT times before they sleep. libgomp's default,
 300,000, lasts milliseconds where `pause` is slow (~140 cycles on Intel cores since Skylake), and a spinning
 worker holds the core that numba's workers need next: the int8 attention of a decode step runs on them after
-each fbgemm product. On a 2-core Sapphire Rapids host, a step of 16 int8 sequences (int8 decode weights):
-150 → 96 ms at 30,000; one sequence's step and a cacheblend prefill the same within noise; 10,000 and
-3,000 slow one sequence's step by 15–30% (BENCHMARKS.md).
+each fbgemm product. On a 2-core Sapphire Rapids host, int8 KV and int8 decode weights: a step of 16
+sequences 164 → 98 ms at 30,000, 16 HTTP clients 77 → 110 tokens/s; one client alone ~8% slower over HTTP
+(100,000: half the gain, one client unchanged); float32 serving unchanged (BENCHMARKS.md).
 """
 import os
 
