@@ -43,8 +43,9 @@ def run(settings, args) -> int:
                   f"decode weights {settings.decode_weights}; corpus: {len(data)} questions x 4 MuSiQue passages, "
                   f"top-k 4, {args.new_tokens} tokens per request (ignore_eos), {args.rounds} requests per client, "
                   "streamed")
-            with httpx.Client(base_url=srv.url, timeout=600) as c:  # warm every path, and every question's
-                for body in MODES.values():  # chunks into memory: N = 1 reads question 0's, N = 16 all eight's
+            # warm every path, and every question's chunks into memory: N = 1 reads question 0's, N = 16 all eight's
+            with httpx.Client(base_url=srv.url, timeout=600) as c:
+                for body in MODES.values():
                     _stream(c, _body(questions[0], body, 4))
                 for q in questions[1:]:
                     _stream(c, _body(q, MODES["reuse"], 1))

@@ -11,7 +11,8 @@ AT_TORCH = """import os, sys
 class Watch:
     def find_spec(self, name, path=None, target=None):
         if name == "torch" and not hasattr(self, "seen"):
-            self.seen = print(os.environ.get("GOMP_SPINCOUNT"))
+            self.seen = True
+            print(os.environ.get("GOMP_SPINCOUNT"))
 sys.meta_path.insert(0, Watch())
 {}
 if "torch" not in sys.modules:
