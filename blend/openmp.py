@@ -2,14 +2,29 @@
 imports this module first, so any use of blend sets it. A value set outside the process stays.
 
 After each parallel op torch's workers spin GOMP_SPINCOUNT times before they sleep. libgomp's default,
-300,000, lasts milliseconds where `pause` is slow (~140 cycles on Intel cores since Skylake), and a spinning
-worker holds the core that numba's workers need next: the int8 attention of a decode step runs on them after
-each fbgemm product. On a 2-core Sapphire Rapids host, int8 KV and int8 decode weights: a step of 16
-sequences 164 → 104 ms at 50,000, 16 HTTP clients 77 → 113 tokens/s, one client alone unchanged (30,000 cost
-it ~8%, 100,000 kept half the gain); float32 serving unchanged (BENCHMARKS.md).
+300,000, lasts milliseconds, and a spinning worker holds the core that numba's workers need next: the int8
+attention of a decode step runs on them after each fbgemm product. How short the spin must be differs by
+core, measured on two 2-core hosts with int8 KV and int8 decode weights (BENCHMARKS.md):
+- Sapphire Rapids (Intel): a step of 16 sequences 164 → 104 ms at 50,000, 16 HTTP clients 77 → 113 tokens/s,
+  one client alone unchanged (30,000 cost it ~8%, 10,000 ~17% in process);
+- Zen 4 (AMD EPYC, `pause` ~24 ns): 50,000 still left a step of 16 at 80–90 ms; at 10,000 it takes 55–57 ms,
+  16 HTTP clients 124 → 178 tokens/s, one client's reuse unchanged.
+float32 serving was unchanged on the Intel host.
 """
 import os
 
-SPINCOUNT = "50000"
+SPINCOUNT = {"AuthenticAMD": "10000"}
+DEFAULT = "50000"
 
-os.environ.setdefault("GOMP_SPINCOUNT", SPINCOUNT)
+
+def spincount(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """This host's spin count: by its CPU's vendor, DEFAULT where `cpuinfo` does not say."""
+    try:
+        with open(cpuinfo) as f:
+            vendor = next((line.split(":")[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        vendor = ""
+    return SPINCOUNT.get(vendor, DEFAULT)
+
+
+os.environ.setdefault("GOMP_SPINCOUNT", spincount())

@@ -27,10 +27,21 @@ def _run(code: str, **env) -> str:
 
 
 def test_blend_sets_the_spin_before_torch_starts_loading_and_keeps_a_value_set_outside():
-    assert _run("import blend") == openmp.SPINCOUNT
-    assert _run("from blend.model import ModelError") == openmp.SPINCOUNT  # the CLI's first import of torch
+    assert _run("import blend") == openmp.spincount()
+    assert _run("from blend.model import ModelError") == openmp.spincount()  # the CLI's first import of torch
     assert _run("import blend", GOMP_SPINCOUNT="7") == "7"
     assert _run("import torch") == "None"  # without blend, libgomp's own default
+
+
+def test_the_spin_count_follows_the_cpus_vendor(tmp_path):
+    def on(text: str) -> str:
+        (tmp_path / "cpuinfo").write_text(text)
+        return openmp.spincount(str(tmp_path / "cpuinfo"))
+
+    assert on("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n") == "10000"
+    assert on("processor\t: 0\nvendor_id\t: GenuineIntel\n") == "50000"
+    assert on("processor\t: 0\n") == openmp.DEFAULT == "50000"  # no vendor line
+    assert openmp.spincount(str(tmp_path / "absent")) == "50000"
 
 
 def test_importing_the_cli_loads_no_torch():
