@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import kernels
+from . import cpuinfo, kernels
 
 Linear = Callable[[torch.Tensor, object, torch.Tensor | None], torch.Tensor]
 NormLinear = Callable[[torch.Tensor, torch.Tensor, float, object, torch.Tensor | None], torch.Tensor]
@@ -144,11 +144,7 @@ def _int8_levels() -> int:
     """The weights' largest level: 127 where fbgemm multiplies with AVX-512 VNNI (int32 sums), 63 elsewhere. Without
     VNNI it sums pairs of u8 · s8 products in int16 (`vpmaddubsw`), which saturates past 2 · 255 · 64: on an AVX2
     host 127 levels put the logits 39% off float32's, 63 levels 4% (tests/blend/test_linear.py)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return 127 if "avx512_vnni" in f.read() else 63
-    except OSError:
-        return 63
+    return 127 if "avx512_vnni" in cpuinfo.read() else 63
 
 
 def _int8_prepack(w: torch.Tensor):

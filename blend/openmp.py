@@ -8,23 +8,20 @@ core, measured on two 2-core hosts with int8 KV and int8 decode weights (BENCHMA
 - Sapphire Rapids (Intel): a step of 16 sequences 164 → 104 ms at 50,000, 16 HTTP clients 77 → 113 tokens/s,
   one client alone unchanged (30,000 cost it ~8%, 10,000 ~17% in process);
 - Zen 4 (AMD EPYC, `pause` ~24 ns): 50,000 still left a step of 16 at 80–90 ms; at 10,000 it takes 55–57 ms,
-  16 HTTP clients 124 → 178 tokens/s, one client's reuse unchanged.
+  16 HTTP clients 124–129 → 168–186 tokens/s, one client's reuse unchanged.
 float32 serving unchanged on both (on the AMD host measured for one client).
 """
 import os
+
+from . import cpuinfo
 
 BY_VENDOR = {"AuthenticAMD": "10000"}
 DEFAULT = "50000"
 
 
-def spincount(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """This host's spin count: by its CPU's vendor, DEFAULT where `cpuinfo` does not say."""
-    try:
-        with open(cpuinfo) as f:
-            vendor = next((line.split(":")[1].strip() for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        vendor = ""
-    return BY_VENDOR.get(vendor, DEFAULT)
+def spincount(path: str = "/proc/cpuinfo") -> str:
+    """This host's spin count: by its CPU's vendor, DEFAULT where the cpuinfo at `path` does not say."""
+    return BY_VENDOR.get(cpuinfo.vendor(cpuinfo.read(path)), DEFAULT)
 
 
 os.environ.setdefault("GOMP_SPINCOUNT", spincount())

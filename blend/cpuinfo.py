@@ -1,0 +1,15 @@
+"""What the host's CPU says of itself in /proc/cpuinfo. No torch here: `blend.openmp` reads it before torch loads."""
+
+
+def read(path: str = "/proc/cpuinfo") -> str:
+    """The file's text; empty where it cannot be read (not Linux)."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def vendor(info: str) -> str:
+    """The first `vendor_id` in cpuinfo text (GenuineIntel, AuthenticAMD, …); empty where none is given."""
+    return next((line.split(":")[1].strip() for line in info.splitlines() if line.startswith("vendor_id")), "")
