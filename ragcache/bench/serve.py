@@ -9,7 +9,8 @@ recompute does not shrink when batched, so its gain is bounded by
     (recompute + decode of one request) ÷ (recompute + its share of a batched decode of N),
 with recompute and decode from its N = 1 run and the batched decode share from reuse at N
 (whose prefill is a few rows): printed beside the measured ratio. Then, in process: batched vs
-sequential selective recompute of 8 requests arriving at once, and a decode step's cost per batch size.
+sequential selective recompute of 8 requests arriving at once, and a decode step's cost per batch size. Last,
+reuse against the bandwidth bound of a decode step's bytes, end to end and in its decode phase alone.
 """
 from __future__ import annotations
 
@@ -63,16 +64,20 @@ def run(settings, args) -> int:
 
 def _bandwidth(runs: dict, sizes: list[int], weights: int, kv: int) -> str:
     """Reuse's gain against the bound set by the bytes a decode step reads: N sequences read the weights
-    once and N caches, so N x (W + KV) / (W + N x KV) over one sequence's step."""
+    once and N caches, so N x (W + KV) / (W + N x KV) over one sequence's step. Twice: end to end (the clients'
+    tokens/s, each request's fused prefill included) and the decode phase alone (the server's median time a
+    token from first token to last: N sequences at once against one), which is what the bound counts."""
     rows = []
     for n in sizes:
         one, r = runs[("reuse", sizes[0])], runs[("reuse", n)]
         gain = (r["tokens"] / r["wall"]) / (one["tokens"] / one["wall"])
+        decode_gain = n * one["decode"] / (sizes[0] * r["decode"])  # the same tokens a request, so ms a token
         bound = n * (weights + kv) / (weights + n * kv) / (sizes[0] * (weights + kv) / (weights + sizes[0] * kv))
-        rows.append([n, (weights + n * kv) / 1e6, gain, bound, gain / bound])
+        rows.append([n, (weights + n * kv) / 1e6, gain, bound, gain / bound, decode_gain, decode_gain / bound])
     return (f"\nreuse against the bandwidth bound: a step reads {weights / 1e6:.0f} MB of weights and "
             f"{kv / 1e6:.1f} MB of KV per sequence\n"
-            + table(rows, ["N", "MB a step reads", "tokens/s vs N=1", "bound", "vs bound"]))
+            + table(rows, ["N", "MB a step reads", "tokens/s vs N=1", "bound", "vs bound", "decode phase vs N=1",
+                           "decode phase vs bound"]))
 
 
 def _body(question: str, mode: dict, new_tokens: int) -> dict:
