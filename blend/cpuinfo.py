@@ -1,7 +1,9 @@
 """What the host's CPU says of itself in /proc/cpuinfo. No torch here: `blend.openmp` reads it before torch loads."""
 
+PATH = "/proc/cpuinfo"
 
-def read(path: str = "/proc/cpuinfo") -> str:
+
+def read(path: str = PATH) -> str:
     """The file's text; empty where it cannot be read (not Linux)."""
     try:
         with open(path) as f:

@@ -9,7 +9,8 @@ core, measured on two 2-core hosts with int8 KV and int8 decode weights (BENCHMA
   one client alone unchanged (30,000 cost it ~8%, 10,000 ~17% in process);
 - Zen 4 (AMD EPYC, `pause` ~24 ns): 50,000 still left a step of 16 at 80–90 ms; at 10,000 it takes 55–57 ms,
   16 HTTP clients 124–129 → 168–186 tokens/s, one client's reuse unchanged.
-float32 serving unchanged on both (on the AMD host measured for one client).
+float32 serving unchanged on both (on the AMD host measured for one client). A Zen 3 EPYC (AVX2, `pause` ~28 ns)
+was measured too: its runs' own spread was wider than any count's effect, so AMD keeps one count.
 """
 import os
 
@@ -19,7 +20,7 @@ BY_VENDOR = {"AuthenticAMD": "10000"}
 DEFAULT = "50000"
 
 
-def spincount(path: str = "/proc/cpuinfo") -> str:
+def spincount(path: str = cpuinfo.PATH) -> str:
     """This host's spin count: by its CPU's vendor, DEFAULT where the cpuinfo at `path` does not say."""
     return BY_VENDOR.get(cpuinfo.vendor(cpuinfo.read(path)), DEFAULT)
 
