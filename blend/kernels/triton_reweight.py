@@ -43,8 +43,9 @@ def _reweighted_kernel(Q, K, V, STALE, O, QPOS, n, T, scale, inv_temp, temp, log
         cold = visible & stale[None, :]
         m_c, l_c, acc_c = _fold(tl.where(cold, s * inv_temp, float("-inf")), v, m_c, l_c, acc_c, IEEE, F32_DOT)
         m_w, l_w, acc_w = _fold(tl.where(visible & ~cold, s, float("-inf")), v, m_w, l_w, acc_w, IEEE, F32_DOT)
-    lse_c = log_factor + temp * (m_c + tl.log(l_c))  # the stale group's log weight
-    lse_w = m_w + tl.log(l_w)
+    # the groups' log weights; an empty group (l = 0, m = -inf) is weighted 0 below, its log kept finite
+    lse_c = log_factor + temp * (m_c + tl.log(tl.maximum(l_c, 1e-30)))
+    lse_w = m_w + tl.log(tl.maximum(l_w, 1e-30))
     top = tl.maximum(lse_c, lse_w)
     w_c = tl.where(l_c > 0, tl.exp(lse_c - top), 0.0)
     w_w = tl.where(l_w > 0, tl.exp(lse_w - top), 0.0)

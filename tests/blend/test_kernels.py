@@ -145,6 +145,7 @@ def test_attention_mass_reference_is_the_softmax_written_out():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("h,hkv,hd,n,t", [(9, 3, 64, 30, 300), (4, 4, 32, 1, 70), (8, 1, 128, 70, 150)])
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a row with no stale key took log(0) in the interpreter
 def test_reweighted_attention_matches_reference(dtype, h, hkv, hd, n, t):
     """APE: stale keys up to 3/4 of the cache with recomputed holes (at t = 300 the first block of keys
     has none: that group starts empty), the question's rows last, causal among themselves."""
