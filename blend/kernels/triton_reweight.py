@@ -43,13 +43,14 @@ def _reweighted_kernel(Q, K, V, STALE, O, QPOS, n, T, scale, inv_temp, temp, log
         cold = visible & stale[None, :]
         m_c, l_c, acc_c = _fold(tl.where(cold, s * inv_temp, float("-inf")), v, m_c, l_c, acc_c, IEEE, F32_DOT)
         m_w, l_w, acc_w = _fold(tl.where(visible & ~cold, s, float("-inf")), v, m_w, l_w, acc_w, IEEE, F32_DOT)
-    # the groups' log weights; an empty group (l = 0, m = -inf) is weighted 0 below, its log kept finite
-    lse_c = log_factor + temp * (m_c + tl.log(tl.maximum(l_c, 1e-30)))
-    lse_w = m_w + tl.log(tl.maximum(l_w, 1e-30))
+    # the groups' sums kept off 0 for the log and the division; an empty group (l = 0) is weighted 0 below
+    safe_c, safe_w = tl.maximum(l_c, 1e-30), tl.maximum(l_w, 1e-30)
+    lse_c = log_factor + temp * (m_c + tl.log(safe_c))  # the groups' log weights
+    lse_w = m_w + tl.log(safe_w)
     top = tl.maximum(lse_c, lse_w)
     w_c = tl.where(l_c > 0, tl.exp(lse_c - top), 0.0)
     w_w = tl.where(l_w > 0, tl.exp(lse_w - top), 0.0)
-    out = (acc_c * (w_c / tl.maximum(l_c, 1e-30))[:, None] + acc_w * (w_w / tl.maximum(l_w, 1e-30))[:, None])
+    out = (acc_c * (w_c / safe_c)[:, None] + acc_w * (w_w / safe_w)[:, None])
     out = out / (w_c + w_w)[:, None]
     _store_rows(O, offs_m, valid_m, head, stride_on, stride_oh, out, HD)
 
