@@ -46,6 +46,7 @@ class RagCache(Parts):
     def warm(self, namespace: str | None = "default") -> None:
         """Load every part a request touches, so that request timings hold no one-time work."""
         _ = self.runner, self.prefix, self.stops, self.store, self.embedder, self.index
+        _ = self.kv_codec  # a codec that cannot be built (`+f` never calibrated) fails here, not in a request
         if namespace is not None and (self.settings.chunk_prefill != "lead" or self.corpus.counts(namespace)):
             self.chunk_prefix(namespace)  # a lead is picked once the namespace holds chunks
         warm_decode(self.runner, self.kv_cache_dtype)

@@ -4,7 +4,9 @@ Each layer's sensitivity is measured alone: that layer's KV through the codec at
 other layer exact, on real chunks of the given dev questions; its cost is the rise of the teacher-forced
 KL against full prefill in reuse mode (the mode that trusts stored KV most) over the exact store's. The
 most sensitive layers get one more bit for K and V, as many as keep the mean under `max_bits` per
-element (every scale, sum and header counted, on those chunks). The chunks' KV is computed as the deployment
+element (every scale, sum and header counted, on those chunks). K's symbols are chosen by error feedback (`+f`)
+against the queries of the same questions' full prompts (key_weighting.py), measured first and stored beside
+the widths; the layers' sensitivities are measured with it. The chunks' KV is computed as the deployment
 computes it (RAGCACHE_CHUNK_PREFILL; a lead is picked from the other questions' passages, as `ragcache eval` picks
 it, unless RAGCACHE_CHUNK_LEAD names one). K's token blocks and V's rotation are the
 uncalibrated default's (codecs.DEFAULT). The widths are stored per model in
@@ -24,7 +26,9 @@ from ..store import decode, encode
 from ..store.codec import rotate_k, to_bytes
 from ..store.codecs import DEFAULT, save_calibration, spec_for
 from ..store.compact import Spec
+from ..store.feedback import KeyWeighting
 from .evaluate import EvalConfig, dataset_lead, load_dataset
+from .key_weighting import query_moments
 from .measure import run_mode
 from .scores import kl
 
@@ -61,18 +65,22 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: int, base: 
     runner = service.runner
     layers = runner.num_layers
     default = spec_for(DEFAULT, layers, service.settings.home, "")  # K's blocks, V's rotation, scales: the default's
-    form = dict(k_group=default.k_group, v_rotate=default.v_rotate, byte_scales=default.byte_scales)
+    items, behind = measured(service, dataset, first, count)
+    texts = [[as_ids(tokenize(service.tokenizer, c["text"] + SEPARATOR)) for c in item["ctxs"][:top_k]] for item in items]
+    suffixes = [as_ids(tokenize(service.tokenizer, "Question: " + item["question"]) + service.frame.tail)
+                for item in items]
+    head = as_ids(service.frame.head)
+    keys = KeyWeighting.of(query_moments(runner, [(torch.cat([head, *ids, suffix]), len(head) + sum(map(len, ids)))
+                                                  for ids, suffix in zip(texts, suffixes)]))
+    form = dict(k_group=default.k_group, v_rotate=default.v_rotate, byte_scales=default.byte_scales, keys=keys)
     base_spec = Spec.uniform("compact", layers, *base, **form)
     boosted = Spec.uniform("compact", layers, min(4, base[0] + 1), min(4, base[1] + 1), **form)
     cfg = EvalConfig(dataset, top_k=top_k, max_new_tokens=16)
     rise, elements = torch.zeros(layers), 0
     layer_bytes = {w: torch.zeros(layers) for w in ("base", "boosted")}
     overhead = 0
-    items, behind = measured(service, dataset, first, count)
-    for n, item in enumerate(items):
-        chunks = [compute_chunk(runner, as_ids(tokenize(service.tokenizer, c["text"] + SEPARATOR)), behind)
-                  for c in item["ctxs"][:top_k]]
-        suffix = as_ids(tokenize(service.tokenizer, "Question: " + item["question"]) + service.frame.tail)
+    for n, (item, ids, suffix) in enumerate(zip(items, texts, suffixes)):
+        chunks = [compute_chunk(runner, x, behind) for x in ids]
         full = run_mode(service, _Given(chunks), list(range(len(chunks))), suffix, Full(), cfg)
         coded, pre = [], []
         for c in chunks:
@@ -99,7 +107,9 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: int, base: 
         if bits({*chosen, l}) <= max_bits:
             chosen.append(l)
     spec = Spec.uniform("compact", layers, *base, boost=tuple(chosen), **form)
+    cost = [bits({l}) - bits(set()) for l in range(layers)]  # bits per element a layer's boost adds
     report = {"base": list(base), "boosted_layers": sorted(chosen), "bits_per_element": bits(set(chosen)),
+              "boost_cost_bits": cost,
               "kl_rise_per_layer": [round(float(x), 6) for x in rise], "questions": [first, first + len(items)],
               "dataset": str(dataset), "top_k": top_k, "chunk_prefill": service.settings.chunk_prefill}
     save_calibration(service.settings.home, service.model.fingerprint, spec, report)
@@ -124,6 +134,6 @@ def command(service, args) -> int:
                                 args.max_bits, progress=(lambda _: None) if args.quiet else print)
     print(f"compact for this model: K {args.k_bits} and V {args.v_bits} bits ({DEFAULT}'s blocks), one more in layers "
           f"{report['boosted_layers']}: {report['bits_per_element']:.2f} bits per element on the dev chunks "
-          f"({report['chunk_prefill']} chunk KV); "
+          f"({report['chunk_prefill']} chunk KV), K's symbols by error feedback against these questions' queries; "
           "RAGCACHE_KV_CODEC=compact uses it")
     return 0

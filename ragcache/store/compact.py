@@ -14,8 +14,9 @@ range clipped where that lowers the block's squared error: a chunk-wide channel 
 outlier tokens, and K's error is what moves the model's output (measured: BENCHMARKS.md). `v_rotate`
 (+r) quantizes V after a Hadamard rotation of its channels (orthonormal, its own inverse), which spreads
 an outlier channel over all of them; the decoder rotates back. `byte_scales` (+b) writes each group's lo
-and step in a byte each instead of two float16s (scales.py: half the scales' bits). Plain kXvY specs write
-the first format: K over the whole chunk, plain min–max.
+and step in a byte each instead of two float16s (scales.py: half the scales' bits). `keys` (+f) chooses K's
+symbols by error feedback against the queries that read them (feedback.py): the same scales and frames, so
+the decoder cannot tell. Plain kXvY specs write the first format: K over the whole chunk, plain min–max.
 
 A frame is [u32 payload length | kind << 28][u32 G: K_BLOCKS only][scales][zstd payload]; its kind's bits
 say K in blocks of G tokens (K_BLOCKS), V rotated (V_ROTATED), and the scales: float16 lo then step a
@@ -27,18 +28,20 @@ Error bound (per element, before float16 rounding of the scales): |x − x̂| �
 step = (max − min) / (2^bits − 1) of its group; with clipping (+g), an element outside the group's clipped
 range [lo, lo + step·(2^bits − 1)] is off by its distance to it plus step / 2 (the range is never shrunk
 below half: CLIP); with +r the bound holds for the rotated V, and so for its L2 norm per token; with +b the
-step is the group's rounded up on the frame's grid (≤ 2.2% over it, or the grid's first step: scales.py).
+step is the group's rounded up on the frame's grid (≤ 2.2% over it, or the grid's first step: scales.py); with
++f a K element is only within its group's [lo, lo + step·(2^bits − 1)]: its symbol is not its nearest.
 """
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import zstandard
 
 from . import scales
+from .feedback import KeyWeighting
 
 LEVEL = 3  # zstd: decoding speed does not depend on it; higher levels find nothing more in nibbles
 _U32 = struct.Struct("<I")
@@ -50,7 +53,8 @@ CLIP = torch.linspace(1.0, 0.5, 11)  # fractions of a group's range tried around
 @dataclass(frozen=True)
 class Spec:
     """Bits per layer for K and V (2..4), K's token block (0: the whole chunk, unclipped), V's rotation,
-    scales at a byte each (scales.py); `name` is what the blob records."""
+    scales at a byte each (scales.py), K's symbols by error feedback against `keys` (feedback.py; None:
+    nearest); `name` is what the blob records."""
 
     name: str
     k_bits: tuple[int, ...]
@@ -58,6 +62,7 @@ class Spec:
     k_group: int = 0
     v_rotate: bool = False
     byte_scales: bool = False
+    keys: KeyWeighting | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if len(self.k_bits) != len(self.v_bits) or not all(2 <= b <= 4 for b in (*self.k_bits, *self.v_bits)):
@@ -68,7 +73,7 @@ class Spec:
     @classmethod
     def uniform(cls, name: str, layers: int, k_bits: int, v_bits: int, boost: tuple[int, ...] = (),
                 k_group: int = 0, v_rotate: bool = False, shifts: tuple[tuple[str, int, int, int], ...] = (),
-                byte_scales: bool = False) -> "Spec":
+                byte_scales: bool = False, keys: KeyWeighting | None = None) -> "Spec":
         """k_bits, v_bits in every layer; each shift (tensor "k" or "v", +1 or -1, layers a..b-1, clamped like a
         slice) moves that tensor's width by one in its layers (within 2..4); a `boost` layer has one more bit
         than k_bits, v_bits for both (at most 4), whatever the shifts."""
@@ -79,7 +84,7 @@ class Spec:
         for l in boost:
             if 0 <= l < layers:
                 width["k"][l], width["v"][l] = min(4, k_bits + 1), min(4, v_bits + 1)
-        return cls(name, tuple(width["k"]), tuple(width["v"]), k_group, v_rotate, byte_scales)
+        return cls(name, tuple(width["k"]), tuple(width["v"]), k_group, v_rotate, byte_scales, keys)
 
     def mean_bits(self) -> float:
         return (sum(self.k_bits) + sum(self.v_bits)) / (2 * len(self.k_bits))
@@ -159,21 +164,26 @@ def _joined(parts: list[tuple[np.ndarray, list[np.ndarray]]]) -> tuple[np.ndarra
             [np.concatenate([p[1][i] for p in parts], axis=1) for i in range(len(parts[0][1]))])
 
 
-def _k_frame(k: torch.Tensor, bits: int, group: int, byte_scales: bool, cctx) -> bytes:
-    """k (H, n, hd) pre-RoPE → a frame: per (head, channel) over the chunk, or over blocks of `group` tokens."""
+def _k_frame(k: torch.Tensor, bits: int, group: int, byte_scales: bool, cctx, keys: tuple | None = None) -> bytes:
+    """k (H, n, hd) pre-RoPE → a frame: per (head, channel) over the chunk, or over blocks of `group` tokens; with
+    `keys` (weighting, layer) the symbols chosen by error feedback under the scales nearest rounding chose."""
     k = k.float()
     blocks = [k[:, s : s + group] for s in range(0, k.shape[1], group)] if group else [k]
-    kind = K_BLOCKS if group else LEGACY
+    kind, top, head = K_BLOCKS if group else LEGACY, (1 << bits) - 1, None
     if byte_scales:
-        base = scales.base_for(max(float((b.amax(1) - b.amin(1)).max()) for b in blocks) / ((1 << bits) - 1))
+        base = scales.base_for(max(float((b.amax(1) - b.amin(1)).max()) for b in blocks) / top)
         steps = scales.grid(base)
         c = scales.centers(k.amin(1, keepdim=True), k.amax(1, keepdim=True), steps)  # (H, 1, hd) int8
         parts = [_quantize(b, bits, 1, bool(group), steps, c) for b in blocks]
         if all(p is not None for p in parts):
             q, codes = _joined(parts)
-            return _frame(kind | BYTES, q, [np.array([base]), c, *codes], cctx, group)
-    q, codes = _joined([_quantize(b, bits, 1, bool(group)) for b in blocks])
-    return _frame(kind, q, codes, cctx, group)
+            kind, head, (lo, step) = kind | BYTES, [np.array([base]), c, *codes], scales.values(steps, *codes, c)
+    if head is None:
+        q, head = _joined([_quantize(b, bits, 1, bool(group)) for b in blocks])
+        lo, step = (x.astype(np.float32) for x in head)
+    if keys is not None:
+        q = keys[0].symbols(keys[1], k, lo, step, group or k.shape[1], top)
+    return _frame(kind, q, head, cctx, group)
 
 
 def _v_frame(v: torch.Tensor, bits: int, rotate: torch.Tensor | None, byte_scales: bool, cctx) -> bytes:
@@ -198,7 +208,8 @@ def encode_frames(k: torch.Tensor, v: torch.Tensor, spec: Spec) -> list[bytes]:
     rotate = hadamard(k.shape[-1]) if spec.v_rotate else None
     frames = []
     for l in range(k.shape[0]):
-        frames.append(_k_frame(k[l], spec.k_bits[l], spec.k_group, spec.byte_scales, cctx))
+        keys = None if spec.keys is None else (spec.keys, l)
+        frames.append(_k_frame(k[l], spec.k_bits[l], spec.k_group, spec.byte_scales, cctx, keys))
         frames.append(_v_frame(v[l], spec.v_bits[l], rotate, spec.byte_scales, cctx))
     return frames
 

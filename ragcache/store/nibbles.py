@@ -1,6 +1,7 @@
 """The compact codec's compiled loops (numba): the decoder's (a frame's byte scales to floats, packed symbols to
-float32 in one pass, the rounding noise it reports) and the encoder's choice of each group's byte scales. One
-file: numba's on-disk cache keys a function by its own file, and both sides share `_dither` and `_lo`.
+float32 in one pass, the rounding noise it reports) and the encoder's (each group's byte scales; K's symbols by
+error feedback, feedback.py). One file: numba's on-disk cache keys a function by its own file, and both sides
+share `_dither` and `_lo`.
 
 Each byte holds two symbols (channel j low, channel j + hd/2 high); a symbol q becomes q · step + lo of
 its group: per (head, token) for V, per (head, block of tokens, channel) for K. Torch needed five passes
@@ -153,3 +154,20 @@ def noise(step, per_token, hd, group, out):  # pragma: no cover — compiled
         else:
             for t in range(c * group, min(n, (c + 1) * group)):
                 out[t] = acc / 12
+
+
+@numba.njit(cache=True)
+def feedback_symbols(x, lo, step, top, order, u, out):  # pragma: no cover — compiled
+    """x, lo, step (H, n, hd) float64 with channels in `order` (H, hd), u (H, hd, hd) → out (H, n, hd) uint8 in the
+    channels' own order: each token's channels rounded in turn, each one's error carried onto the ones after it
+    (x is consumed)."""
+    heads, n, hd = x.shape
+    for h in range(heads):
+        for t in range(n):
+            row = x[h, t]
+            for j in range(hd):
+                s = min(max(np.rint((row[j] - lo[h, t, j]) / step[h, t, j]), 0.0), float(top))
+                out[h, t, order[h, j]] = np.uint8(s)
+                err = (row[j] - (s * step[h, t, j] + lo[h, t, j])) / u[h, j, j]
+                for i in range(j + 1, hd):
+                    row[i] -= err * u[h, j, i]

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from blend import A3, Adaptive, BlendQ, CacheBlend, Epic, Full, Probe, Reuse
 from blend.reweight import Reweight, Reweighted
@@ -258,8 +259,9 @@ def test_frontier_keeps_the_modes_nothing_beats_on_speed_and_kl():
 def test_calibrate_codec_boosts_the_most_sensitive_layers_of_the_deployments_chunk_kv_and_compact_then_uses_them(
         tmp_path, tiny, smollm):
     """`ragcache calibrate-codec` on one question: its chunks computed behind the deployment's lead (picked from the
-    other question's passages, as `eval` picks it); the layers given one more bit are the most sensitive measured,
-    within the bits asked for; `compact` is then those widths."""
+    other question's passages, as `eval` picks it); the layers given one more bit are the most sensitive measured
+    that fit within the bits asked for, in order; `compact` is then those widths, K's symbols by feedback against the weighting stored
+    beside them."""
     from ragcache import RagCache
     from ragcache.evaluation.codec_calibrate import calibrate_codec, measured
     from ragcache.evaluation.evaluate import dataset_lead
@@ -275,8 +277,14 @@ def test_calibrate_codec_boosts_the_most_sensitive_layers_of_the_deployments_chu
         rise, boosted = report["kl_rise_per_layer"], report["boosted_layers"]
         assert report["chunk_prefill"] == "lead" and len(rise) == service.runner.num_layers
         assert 0 < len(boosted) < len(rise) and report["bits_per_element"] <= 3.2
-        assert min(rise[l] for l in boosted) >= max(r for l, r in enumerate(rise) if l not in boosted)
+        used = report["bits_per_element"] - sum(report["boost_cost_bits"][l] for l in boosted)
+        for l in sorted(range(len(rise)), key=lambda l: -rise[l]):  # by sensitivity, each boosted if it still fits
+            fits = used + report["boost_cost_bits"][l] <= 3.2
+            assert (l in boosted) == fits, (l, used)
+            used += report["boost_cost_bits"][l] if fits else 0
         assert spec.k_bits == tuple(4 if l in boosted else 3 for l in range(len(rise))) == spec.v_bits
         assert service.codec_spec("compact") == spec
+        assert torch.equal(service.codec_spec("compact").keys.h, spec.keys.h)  # K's feedback weighting stored too
+        assert service.codec_spec("compact-k3v3+b+f").keys is not None
         with pytest.raises(UserError, match="--first 2"):
             measured(service, tiny, 2, 1)
