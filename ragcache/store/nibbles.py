@@ -166,8 +166,9 @@ def feedback_symbols(x, lo, step, top, order, u, out):  # pragma: no cover — c
         for t in range(n):
             row = x[h, t]
             for j in range(hd):
-                s = min(max(np.rint((row[j] - lo[h, t, j]) / step[h, t, j]), 0.0), float(top))
+                st = step[h, t, j]  # 0 in a float16-scaled group that was constant: every symbol is lo
+                s = min(max(np.rint((row[j] - lo[h, t, j]) / st), 0.0), float(top)) if st > 0 else 0.0
                 out[h, t, order[h, j]] = np.uint8(s)
-                err = (row[j] - (s * step[h, t, j] + lo[h, t, j])) / u[h, j, j]
+                err = (row[j] - (s * st + lo[h, t, j])) / u[h, j, j]
                 for i in range(j + 1, hd):
                     row[i] -= err * u[h, j, i]

@@ -114,3 +114,12 @@ def test_the_feedback_kernel_carries_each_error_onto_the_channels_after_it():
     lo, step = np.zeros((1, 1, 2), np.float32), np.ones((1, 1, 2), np.float32)
     got = w.symbols(0, k, lo, step, 1, 3)
     assert sorted(got.flatten().tolist()) == [0, 1]  # nearest would be [0, 0]: 0.8 along (1, 1) lost
+
+
+def test_a_constant_group_with_a_zero_step_codes_its_lo():
+    """float16 scales keep a constant group's step 0 (the decoder gives lo): feedback must not divide by it."""
+    w = KeyWeighting.of(torch.eye(2, dtype=torch.float64)[None, None] + 0.5)
+    k = torch.tensor([[[1.0, 0.3], [1.0, 2.6]]])  # channel 0 constant over the block
+    lo, step = np.array([[[1.0, 0.0]]], np.float32), np.array([[[0.0, 1.0]]], np.float32)
+    got = w.symbols(0, k, lo, step, 2, 3)
+    assert got[0, :, 0].tolist() == [0, 0] and got[0, :, 1].tolist() == [0, 3]
