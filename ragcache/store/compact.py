@@ -177,11 +177,11 @@ def _k_frame(k: torch.Tensor, bits: int, group: int, byte_scales: bool, cctx, ke
         parts = [_quantize(b, bits, 1, bool(group), steps, c) for b in blocks]
         if all(p is not None for p in parts):
             q, codes = _joined(parts)
-            kind, head, (lo, step) = kind | BYTES, [np.array([base]), c, *codes], scales.values(steps, *codes, c)
+            kind, head = kind | BYTES, [np.array([base]), c, *codes]
     if head is None:
         q, head = _joined([_quantize(b, bits, 1, bool(group)) for b in blocks])
-        lo, step = (x.astype(np.float32) for x in head)
-    if keys is not None:
+    if keys is not None:  # the scales as the decoder computes them, only where feedback needs them
+        lo, step = scales.values(steps, *head[2:], head[1]) if kind & BYTES else [x.astype(np.float32) for x in head]
         q = keys[0].symbols(keys[1], k, lo, step, group or k.shape[1], top)
     return _frame(kind, q, head, cctx, group)
 
