@@ -90,6 +90,13 @@ def _add_eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _counts(text: str) -> list[int]:
+    values = _ints(text)
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -197,11 +204,11 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     cal.add_argument("--target-kl", type=float, required=True, help="mean teacher-forced KL(full ‖ mode), nats")
     cal.set_defaults(func=commands.calibrate)
 
-    cc = sub.add_parser("calibrate-codec", help="measure which layers the compact KV codec gives one more bit")
+    cc = sub.add_parser("calibrate-codec", help="measure which layers' K and V the compact KV codec gives one more bit")
     cc.add_argument("--dataset", required=True, type=Path, help="a MuSiQue/CacheBlend-format JSON file (dev questions)")
     cc.add_argument("--first", type=int, default=40, help="first question (keep them apart from what you report)")
     cc.add_argument("--count", type=_positive, default=5)
-    cc.add_argument("--top-k", type=_positive, default=4, help="passages per question")
+    cc.add_argument("--top-k", type=_counts, default=[4], help="passages per question; several (4,10) add up")
     cc.add_argument("--k-bits", type=int, choices=[2, 3, 4], default=3)
     cc.add_argument("--v-bits", type=int, choices=[2, 3, 4], default=3)
     cc.add_argument("--max-bits", type=float, default=3.2, help="mean bits per element, everything counted")

@@ -273,16 +273,21 @@ def test_calibrate_codec_boosts_the_most_sensitive_layers_of_the_deployments_chu
         assert [i["question"] for i in items] == [load_dataset(tiny, None)[0]["question"]]
         assert behind.key == service.chunk_prefix(how="lead", lead=lead).key != service.prefix.key
         assert service.codec_spec("compact") == service.codec_spec(DEFAULT)  # not calibrated yet
-        spec, report = calibrate_codec(service, tiny, 0, 1, 2, (3, 3), 3.2, progress=lambda _: None)
-        rise, boosted = report["kl_rise_per_layer"], report["boosted_layers"]
-        assert report["chunk_prefill"] == "lead" and len(rise) == service.runner.num_layers
-        assert 0 < len(boosted) < len(rise) and report["bits_per_element"] <= 3.2
-        used = report["bits_per_element"] - sum(report["boost_cost_bits"][l] for l in boosted)
-        for l in sorted(range(len(rise)), key=lambda l: -rise[l]):  # by sensitivity, each boosted if it still fits
-            fits = used + report["boost_cost_bits"][l] <= 3.2
-            assert (l in boosted) == fits, (l, used)
-            used += report["boost_cost_bits"][l] if fits else 0
-        assert spec.k_bits == tuple(4 if l in boosted else 3 for l in range(len(rise))) == spec.v_bits
+        spec, report = calibrate_codec(service, tiny, 0, 1, [2, 1], (3, 3), 3.2, progress=lambda _: None)
+        sens, cost, boosted = report["sensitivity"], report["boost_cost_bits"], report["boosted"]
+        layers = service.runner.num_layers
+        assert report["chunk_prefill"] == "lead" and report["top_k"] == [2, 1]  # both counts' sensitivities add
+        assert len(sens["k"]) == len(sens["v"]) == layers
+        assert min(sens["k"] + sens["v"]) >= 0 and sum(sens["k"]) > 0  # a KL between two stores' outputs
+        assert 0 < len(boosted["k"]) + len(boosted["v"]) < 2 * layers and report["bits_per_element"] <= 3.2
+        used = report["bits_per_element"] - sum(cost[t][l] for t in "kv" for l in boosted[t])
+        per_bit = {(t, l): sens[t][l] / max(cost[t][l], 1e-9) for t in "kv" for l in range(layers)}
+        for t, l in sorted(per_bit, key=lambda tl: -per_bit[tl]):
+            fits = used + cost[t][l] <= 3.2 + 1e-6  # by sensitivity per bit, each boosted if it still fits
+            assert (l in boosted[t]) == fits, (t, l, used)
+            used += cost[t][l] if fits else 0
+        assert spec.k_bits == tuple(4 if l in boosted["k"] else 3 for l in range(layers))
+        assert spec.v_bits == tuple(4 if l in boosted["v"] else 3 for l in range(layers))
         assert service.codec_spec("compact") == spec
         assert torch.equal(service.codec_spec("compact").keys.h, spec.keys.h)  # K's feedback weighting stored too
         assert service.codec_spec("compact-k3v3+b+f").keys is not None
