@@ -65,7 +65,8 @@ def print_sizes(rows: list[list], chunks: list, model) -> None:
 
 def fidelity(service, dataset: str, codecs: list[str], passages: list[int], limit: int, root: Path,
              chunk_prefill: str = "prefixed") -> list[list]:
-    """ΔKL (teacher-forced, and first token) and Δ top-1 agreement of each codec against raw float32, per mode;
+    """ΔKL (teacher-forced ± its paired standard error, and first token), the KL from raw's own output and Δ top-1
+    agreement of each codec against raw float32, per mode;
     full prefill (the reference) computed once per question, every codec's chunks through encode and decode, each
     computed behind `chunk_prefill` (lead: picked from the passages of the questions past `limit`, as eval does)."""
     from blend.prompt import as_ids, encode as tokenize
@@ -83,8 +84,9 @@ def fidelity(service, dataset: str, codecs: list[str], passages: list[int], limi
         for codec in ["raw", *codecs]:
             (root / f"fidelity-{n}-{codec}").mkdir()
             stores[codec] = _Passages(service, replace(cfg, codec=codec), root / f"fidelity-{n}-{codec}", lead)
-        per_q: dict[tuple[str, str], list[list[float]]] = {}  # (codec, mode) → per question [KL tf, KL first, top-1,
-        t0 = time.perf_counter()                                # KL tf from the float32 store's own output]
+        # (codec, mode) → per question [KL tf, KL first, top-1 agreement, KL tf from the float32 store's own output]
+        per_q: dict[tuple[str, str], list[list[float]]] = {}
+        t0 = time.perf_counter()
         for item in data:
             texts = [c["text"] for c in item["ctxs"][:n]]
             suffix = as_ids(tokenize(service.tokenizer, "Question: " + item["question"]) + service.frame.tail)
