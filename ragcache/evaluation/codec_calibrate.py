@@ -104,12 +104,12 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: list[int], 
     cost, sens = (cost_of * 8 / elements).tolist(), sensitivity.tolist()  # bits per element each boost adds
     chosen: set[tuple[int, int]] = set()
     used = 8 * total / elements
-    for t, l in sorted(((t, l) for t in (0, 1) for l in range(layers) if base[t] < 4),
-                       key=lambda tl: -sens[tl[0]][tl[1]] / max(cost[tl[0]][tl[1]], 1e-9)):
+    per_bit = {(t, l): sens[t][l] / max(cost[t][l], 1e-9) for t in (0, 1) for l in range(layers) if base[t] < 4}
+    for t, l in sorted(per_bit, key=lambda tl: -per_bit[tl]):
         if used + cost[t][l] <= max_bits:
             chosen.add((t, l))
             used += cost[t][l]
-    widths = [tuple(min(4, base[t] + ((t, l) in chosen)) for l in range(layers)) for t in (0, 1)]
+    widths = [tuple(base[t] + ((t, l) in chosen) for l in range(layers)) for t in (0, 1)]  # a 4-bit base is never boosted
     spec = Spec("compact", *widths, default.k_group, default.v_rotate, default.byte_scales, keys)
     report = {"base": list(base), "boosted": {x: sorted(l for t, l in chosen if t == i) for i, x in enumerate("kv")},
               "bits_per_element": used,
