@@ -28,11 +28,12 @@ CHOICES = {
 }
 # the blob codecs (store/codecs.py): raw, compact (calibrated), compact-kXvY (+kA:B / -vA:B: one bit more for K /
 # one less for V in layers A..B-1, +Ln: one more bit than X, Y in layer n, +gG: K in clipped blocks of G tokens,
-# +r: V rotated, +b: scales at a byte each, +f: K's symbols by error feedback against calibrated queries)
-KV_CODEC = re.compile(r"raw|compact|compact-k([234])v([234])((?:[+-][kv]\d+:\d+)*)((?:\+L\d+)*)(?:\+g([1-9]\d*))?"
-                      r"(\+r)?(\+b)?(\+f)?")
-KV_CODEC_FORM = ("raw, compact or compact-kXvY[±kA:B][±vA:B][+Ln][+gG][+r][+b][+f] (X, Y in 2..4, e.g. "
-                 "compact-k3v3+k16:30+L1+g96+b+f)")
+# +vN=W: V of layer N at W bits (2..8; K likewise), +r: V rotated, +b: scales at a byte each, +f: K's symbols by
+# error feedback against calibrated queries)
+KV_CODEC = re.compile(r"raw|compact|compact-k([234])v([234])((?:[+-][kv]\d+:\d+)*)((?:\+L\d+)*)((?:\+[kv]\d+=[2-8])*)"
+                      r"(?:\+g([1-9]\d*))?(\+r)?(\+b)?(\+f)?")
+KV_CODEC_FORM = ("raw, compact or compact-kXvY[±kA:B][±vA:B][+Ln][+kN=W][+vN=W][+gG][+r][+b][+f] (X, Y in 2..4, W in "
+                 "2..8, e.g. compact-k3v3+k16:30+L1+v1=8+g96+b+f)")
 DEFAULT_SYSTEM_PROMPT = (
     "You will be asked a question after reading several passages. "
     "Answer it directly from the passages, in a few words. Do not repeat the question."

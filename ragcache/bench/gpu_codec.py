@@ -14,7 +14,8 @@ SHAPE = (32, 8, 512, 128)  # layers, KV heads, tokens, head dim: 64 MB of bf16 K
 
 def codec_rows() -> tuple[str, list[list]]:
     try:
-        from ..store.compact import Decoder, Spec, encode_frames
+        from ..store.compact import Decoder, encode_frames
+        from ..store.widths import Spec
     except ImportError as e:  # zstandard is not among what a bare CUDA machine has
         return f"\ncodec decode: not measured ({e})", [["codec decode (compact)", "not run", str(e)]]
     g = torch.Generator().manual_seed(0)

@@ -28,7 +28,7 @@ from ..errors import UserError
 from ..store import decode, encode
 from ..store.codec import rotate_k, to_bytes
 from ..store.codecs import DEFAULT, save_calibration, spec_for
-from ..store.compact import Spec
+from ..store.widths import Spec
 from ..store.feedback import KeyWeighting
 from .evaluate import EvalConfig, dataset_lead, load_dataset
 from .key_weighting import query_moments

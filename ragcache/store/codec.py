@@ -20,7 +20,8 @@ import xxhash
 from blend import ChunkKV, kernels
 from blend.rope import delta_cos_sin
 
-from .compact import Decoder, Spec, encode_frames
+from .compact import Decoder, encode_frames
+from .widths import Spec
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 FORMAT = "ragcache-kv/1"

@@ -4,10 +4,11 @@
     compact        this model's calibrated bit widths (`ragcache calibrate-codec`), else DEFAULT
     compact-kXvY   X bits for K and Y for V in every layer (2..4), e.g. compact-k3v3; `+k16:30` one more bit
                    for K in layers 16..29, `-v0:8` one less for V in layers 0..7 (ranges clamp like slices);
-                   `+L0` layer 0 at X+1, Y+1 (compact-k3v3+L0); `+g64` K in clipped blocks of 64 tokens, `+r` V
-                   rotated (compact.py), `+b` every scale in a byte (scales.py), `+f` K's symbols by error feedback
-                   against this model's queries (feedback.py; needs `ragcache calibrate-codec`), e.g.
-                   compact-k3v3+k16:30+L1+g64+r+b+f
+                   `+L0` layer 0 at X+1, Y+1 (compact-k3v3+L0); `+v1=8` V of layer 1 at 8 bits (2..8, K
+                   likewise, set last; past 4 bits a symbol takes a byte: compact.py's WIDE frames); `+g64` K
+                   in clipped blocks of 64 tokens, `+r` V rotated (compact.py), `+b` every scale in a byte
+                   (scales.py), `+f` K's symbols by error feedback against this model's queries (feedback.py;
+                   needs `ragcache calibrate-codec`), e.g. compact-k3v3+k16:30+L1+v1=8+g64+r+b+f
 
 Decoding never needs the name: a compact blob carries its frames' scales and the encoder's widths.
 The calibration of a model is a small JSON file in RAGCACHE_HOME/codec/, written once on dev data, and beside it
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from ..config import KV_CODEC, KV_CODEC_FORM
 from ..errors import UserError
-from .compact import Spec
+from .widths import Spec
 from .feedback import KeyWeighting
 
 DEFAULT = "compact-k3v3+k16:30+L1+g96+b"  # `compact` for a model never calibrated: 3.17 bits; K one bit more in
@@ -71,9 +72,10 @@ def spec_for(name: str, num_layers: int, home: Path, fingerprint: str) -> Spec |
     shifts = tuple((t, 1 if sign == "+" else -1, int(a), int(b))
                    for sign, t, a, b in re.findall(r"([+-])([kv])(\d+):(\d+)", m.group(3)))
     boost = tuple(int(x) for x in re.findall(r"\+L(\d+)", m.group(4)))
-    return Spec.uniform(name, num_layers, int(m.group(1)), int(m.group(2)), boost, int(m.group(5) or 0),
-                        m.group(6) is not None, shifts, m.group(7) is not None,
-                        _keys(home, fingerprint, name) if m.group(8) else None)
+    widths = tuple((t, int(l), int(w)) for t, l, w in re.findall(r"\+([kv])(\d+)=(\d)", m.group(5)))
+    return Spec.uniform(name, num_layers, int(m.group(1)), int(m.group(2)), boost, int(m.group(6) or 0),
+                        m.group(7) is not None, shifts, m.group(8) is not None,
+                        _keys(home, fingerprint, name) if m.group(9) else None, widths)
 
 
 def save_calibration(home: Path, fingerprint: str, spec: Spec, report: dict) -> Path:

@@ -5,9 +5,10 @@
 
 K is quantized before RoPE (its channels keep one range; the fused prefill rotates every row to its new
 place anyway), per (head, channel) over a block of tokens; V per (head, token) over its channels. Both
-asymmetric at the layer's bit width, 2–4 bits, the symbols of a row packed two per byte (channel j in the
-low nibble, channel j + hd/2 in the high one, so unpacking writes contiguous halves), then zstd: its
-Huffman stage codes the nibbles near their entropy (a 3-bit symbol costs ~2.3 bits).
+asymmetric at the layer's bit width, 2–8 bits; up to 4 the symbols of a row are packed two per byte (channel j
+in the low nibble, channel j + hd/2 in the high one, so unpacking writes contiguous halves), wider ones take a
+byte each (WIDE); then zstd: its Huffman stage codes the symbols near their entropy (a 3-bit symbol costs ~2.3
+bits).
 
 A spec with `k_group` G > 0 (names with +gG) quantizes K per block of G tokens (the last one shorter), its
 range clipped where that lowers the block's squared error: a chunk-wide channel range is set by a few
@@ -19,9 +20,10 @@ symbols by error feedback against the queries that read them (feedback.py): the 
 the decoder cannot tell. Plain kXvY specs write the first format: K over the whole chunk, plain min–max.
 
 A frame is [u32 payload length | kind << 28][u32 G: K_BLOCKS only][scales][zstd payload]; its kind's bits
-say K in blocks of G tokens (K_BLOCKS), V rotated (V_ROTATED), and the scales: float16 lo then step a
-group, or with BYTES a float32 base, a K frame's channel centers (int8) and then e (uint8) and m (int8)
-a group; kind 0 is the first format. A frame decodes alone, so a layer can be used before the next one
+say K in blocks of G tokens (K_BLOCKS), V rotated (V_ROTATED), a byte a symbol (WIDE), and the scales:
+float16 lo then step a group, or with BYTES a float32 base, a K frame's channel centers (int8) and then e
+(uint8) and m (int8) a group (a wide frame's lo rarely fits m's ±32 steps: it falls back to float16); kind 0
+is the first format. A frame decodes alone, so a layer can be used before the next one
 has arrived; frames of every kind decode, so old blobs stay readable.
 
 Error bound (per element, before float16 rounding of the scales): |x − x̂| ≤ step / 2, where
@@ -34,60 +36,19 @@ step is the group's rounded up on the frame's grid (≤ 2.2% over it, or the gri
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import zstandard
 
 from . import scales
-from .feedback import KeyWeighting
+from .widths import Spec
 
 LEVEL = 3  # zstd: decoding speed does not depend on it; higher levels find nothing more in nibbles
 _U32 = struct.Struct("<I")
 _KIND = 28  # a frame's kind sits above its payload length (< 256 MiB)
-LEGACY, K_BLOCKS, V_ROTATED, BYTES = 0, 1, 2, 4  # bits of a frame's kind
+LEGACY, K_BLOCKS, V_ROTATED, BYTES, WIDE = 0, 1, 2, 4, 8  # bits of a frame's kind
 CLIP = torch.linspace(1.0, 0.5, 11)  # fractions of a group's range tried around its middle (encode only)
-
-
-@dataclass(frozen=True)
-class Spec:
-    """Bits per layer for K and V (2..4), K's token block (0: the whole chunk, unclipped), V's rotation,
-    scales at a byte each (scales.py), K's symbols by error feedback against `keys` (feedback.py; None:
-    nearest); `name` is what the blob records."""
-
-    name: str
-    k_bits: tuple[int, ...]
-    v_bits: tuple[int, ...]
-    k_group: int = 0
-    v_rotate: bool = False
-    byte_scales: bool = False
-    keys: KeyWeighting | None = field(default=None, compare=False, repr=False)
-
-    def __post_init__(self):
-        if len(self.k_bits) != len(self.v_bits) or not all(2 <= b <= 4 for b in (*self.k_bits, *self.v_bits)):
-            raise ValueError(f"codec {self.name}: one bit width per layer for K and V, each 2..4")
-        if self.k_group < 0:
-            raise ValueError(f"codec {self.name}: K's token block must be positive (0: the whole chunk)")
-
-    @classmethod
-    def uniform(cls, name: str, layers: int, k_bits: int, v_bits: int, boost: tuple[int, ...] = (),
-                k_group: int = 0, v_rotate: bool = False, shifts: tuple[tuple[str, int, int, int], ...] = (),
-                byte_scales: bool = False, keys: KeyWeighting | None = None) -> "Spec":
-        """k_bits, v_bits in every layer; each shift (tensor "k" or "v", +1 or -1, layers a..b-1, clamped like a
-        slice) moves that tensor's width by one in its layers (within 2..4); a `boost` layer has one more bit
-        than k_bits, v_bits for both (at most 4), whatever the shifts."""
-        width = {"k": [k_bits] * layers, "v": [v_bits] * layers}
-        for tensor, delta, a, b in shifts:
-            for l in range(layers)[a:b]:
-                width[tensor][l] = min(4, max(2, width[tensor][l] + delta))
-        for l in boost:
-            if 0 <= l < layers:
-                width["k"][l], width["v"][l] = min(4, k_bits + 1), min(4, v_bits + 1)
-        return cls(name, tuple(width["k"]), tuple(width["v"]), k_group, v_rotate, byte_scales, keys)
-
-    def mean_bits(self) -> float:
-        return (sum(self.k_bits) + sum(self.v_bits)) / (2 * len(self.k_bits))
 
 
 def hadamard(hd: int) -> torch.Tensor:
@@ -150,9 +111,13 @@ def _symbols(x: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, top: int) ->
     return ((x - lo.float()) / step.float()).round_().clamp_(0, top).to(torch.uint8).numpy()
 
 
-def _frame(kind: int, q: np.ndarray, parts: list[np.ndarray], cctx: zstandard.ZstdCompressor, group: int = 0) -> bytes:
-    half = q.shape[-1] // 2
-    packed = q[..., :half] | (q[..., half:] << 4)  # (H, n, hd/2): one byte, two symbols
+def _frame(kind: int, q: np.ndarray, parts: list[np.ndarray], cctx: zstandard.ZstdCompressor, bits: int,
+           group: int = 0) -> bytes:
+    if bits > 4:
+        kind, packed = kind | WIDE, q  # (H, n, hd): a byte a symbol
+    else:
+        half = q.shape[-1] // 2
+        packed = q[..., :half] | (q[..., half:] << 4)  # (H, n, hd/2): one byte, two symbols
     payload = cctx.compress(np.ascontiguousarray(packed).tobytes())
     head = _U32.pack(len(payload) | kind << _KIND) + (_U32.pack(group) if kind & K_BLOCKS else b"")
     return b"".join([head, *(np.ascontiguousarray(p).tobytes() for p in parts), payload])
@@ -183,7 +148,7 @@ def _k_frame(k: torch.Tensor, bits: int, group: int, byte_scales: bool, cctx, ke
     if keys is not None:  # the scales as the decoder computes them, only where feedback needs them
         lo, step = scales.values(steps, *head[2:], head[1]) if kind & BYTES else [x.astype(np.float32) for x in head]
         q = keys[0].symbols(keys[1], k, lo, step, group or k.shape[1], top)
-    return _frame(kind, q, head, cctx, group)
+    return _frame(kind, q, head, cctx, bits, group)
 
 
 def _v_frame(v: torch.Tensor, bits: int, rotate: torch.Tensor | None, byte_scales: bool, cctx) -> bytes:
@@ -194,8 +159,8 @@ def _v_frame(v: torch.Tensor, bits: int, rotate: torch.Tensor | None, byte_scale
         base = scales.base_for(float((x.amax(2) - x.amin(2)).max()) / ((1 << bits) - 1))
         got = _quantize(x, bits, 2, False, scales.grid(base))
         if got is not None:
-            return _frame(kind | BYTES, got[0], [np.array([base]), *got[1]], cctx)
-    return _frame(kind, *_quantize(x, bits, 2, False), cctx)
+            return _frame(kind | BYTES, got[0], [np.array([base]), *got[1]], cctx, bits)
+    return _frame(kind, *_quantize(x, bits, 2, False), cctx, bits)
 
 
 def encode_frames(k: torch.Tensor, v: torch.Tensor, spec: Spec) -> list[bytes]:
@@ -237,7 +202,7 @@ class Decoder:
         h, n, hd = out.shape
         (word,) = _U32.unpack_from(frame, 0)
         size, kind = word & ((1 << _KIND) - 1), word >> _KIND
-        if kind & ~BYTES not in ((LEGACY, V_ROTATED) if per_token else (LEGACY, K_BLOCKS)):
+        if kind & ~(BYTES | WIDE) not in ((LEGACY, V_ROTATED) if per_token else (LEGACY, K_BLOCKS)):
             raise ValueError(f"a {'V' if per_token else 'K'} frame of kind {kind}")
         group = _U32.unpack_from(frame, _U32.size)[0] if kind & K_BLOCKS else n
         if group <= 0:
@@ -259,15 +224,17 @@ class Decoder:
         else:
             f16 = np.frombuffer(frame, dtype=np.float16, count=2 * groups, offset=start).astype(np.float32)
             lo, step = f16[:groups].reshape(shape), f16[groups:].reshape(shape)
-        raw = self._dctx.decompress(memoryview(frame)[head:], max_output_size=h * n * hd // 2)
-        if len(raw) != h * n * hd // 2:
+        width = hd if kind & WIDE else hd // 2  # symbols a row: a byte each, or two a byte
+        raw = self._dctx.decompress(memoryview(frame)[head:], max_output_size=h * n * width)
+        if len(raw) != h * n * width:
             raise ValueError("frame payload has the wrong size")
-        packed = np.frombuffer(raw, dtype=np.uint8).reshape(h, n, hd // 2)
+        packed = np.frombuffer(raw, dtype=np.uint8).reshape(h, n, width)
         if out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous():
             if per_token:
-                nibbles.per_token(packed, lo[..., 0], step[..., 0], out.numpy())
+                (nibbles.per_token_wide if kind & WIDE else nibbles.per_token)(packed, lo[..., 0], step[..., 0],
+                                                                                out.numpy())
             else:
-                nibbles.per_channel(packed, lo, step, group, out.numpy())
+                (nibbles.per_channel_wide if kind & WIDE else nibbles.per_channel)(packed, lo, step, group, out.numpy())
         else:
             self._unpack(packed, lo, step, per_token, group, out)
         if kind & V_ROTATED:
@@ -278,14 +245,17 @@ class Decoder:
     @staticmethod
     def _unpack(packed: np.ndarray, lo: np.ndarray, step: np.ndarray, per_token: bool, group: int,
                 out: torch.Tensor) -> None:
-        """`nibbles`' work in torch, on the output's device: packed (H, n, hd/2) symbols × step + lo, the
-        scales (H, n, 1) per token or (H, blocks, hd) per channel block of `group` tokens, into out (H, n, hd)."""
+        """`nibbles`' work in torch, on the output's device: packed (H, n, hd/2) symbols two a byte, or (H, n, hd)
+        a byte each, × step + lo, the scales (H, n, 1) per token or (H, blocks, hd) per channel block of `group`
+        tokens, into out (H, n, hd)."""
         h, n, hd = out.shape
         lo, step = (torch.from_numpy(x).to(out.device) for x in (lo, step))
         packed = torch.from_numpy(packed.copy()).to(out.device)  # frombuffer's view of bytes is read-only
-        half = hd // 2
-        out[..., :half] = packed & 15  # uint8 → float as it is written
-        out[..., half:] = packed >> 4
+        if packed.shape[-1] == hd:
+            out.copy_(packed)  # uint8 → float as it is written
+        else:
+            out[..., : hd // 2] = packed & 15
+            out[..., hd // 2 :] = packed >> 4
         if per_token or step.shape[1] == 1:
             out.mul_(step).add_(lo)  # (h, n, 1) per token, (h, 1, hd) per channel: broadcast
         else:

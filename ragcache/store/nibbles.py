@@ -3,8 +3,8 @@ float32 in one pass, the rounding noise it reports) and the encoder's (each grou
 error feedback, feedback.py). One file: numba's on-disk cache keys a function by its own file, and both sides
 share `_dither` and `_lo`.
 
-Each byte holds two symbols (channel j low, channel j + hd/2 high); a symbol q becomes q · step + lo of
-its group: per (head, token) for V, per (head, block of tokens, channel) for K. Torch needed five passes
+Each byte holds two symbols (channel j low, channel j + hd/2 high), or in a WIDE frame one; a symbol q becomes
+q · step + lo of its group: per (head, token) for V, per (head, block of tokens, channel) for K. Torch needed five passes
 over the output for the same (two masked copies, a multiply, an add, the packed bytes' own copy); this
 writes each float once from the bytes zstd returned.
 """
@@ -41,6 +41,30 @@ def per_channel(packed, lo, step, group, out):  # pragma: no cover — compiled
                     low[j] = np.float32(src[j] & 15) * s_low[j] + a_low[j]
                 for j in range(half):
                     high[j] = np.float32(src[j] >> 4) * s_high[j] + a_high[j]
+
+
+@numba.njit(fastmath=True, cache=True)
+def per_token_wide(q, lo, step, out):  # pragma: no cover — compiled
+    """A WIDE frame (a byte a symbol): q (H, n, hd) uint8; lo, step (H, n) float32 → out (H, n, hd) float32."""
+    h, n, hd = q.shape
+    for i in range(h):
+        for t in range(n):
+            a, s, src, dst = lo[i, t], step[i, t], q[i, t], out[i, t]
+            for j in range(hd):
+                dst[j] = np.float32(src[j]) * s + a
+
+
+@numba.njit(fastmath=True, cache=True)
+def per_channel_wide(q, lo, step, group, out):  # pragma: no cover — compiled
+    """A WIDE frame: q (H, n, hd) uint8; lo, step (H, blocks, hd) float32, a block a `group` tokens → out (H, n, hd)."""
+    h, n, hd = q.shape
+    for i in range(h):
+        for c in range(lo.shape[1]):
+            s, a = step[i, c], lo[i, c]
+            for t in range(c * group, min(n, (c + 1) * group)):
+                src, dst = q[i, t], out[i, t]
+                for j in range(hd):
+                    dst[j] = np.float32(src[j]) * s[j] + a[j]
 
 
 @numba.njit(inline="always")

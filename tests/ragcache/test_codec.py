@@ -9,7 +9,8 @@ from blend import ChunkKV, Reuse, compute_chunk, compute_prefix, fuse_and_prefil
 from ragcache.store import CorruptBlob, TieredStore, decode, encode
 from ragcache.store.codec import rotate_k, from_bytes, to_bytes
 from ragcache.store.codecs import spec_for
-from ragcache.store.compact import Spec, hadamard
+from ragcache.store.compact import hadamard
+from ragcache.store.widths import Spec
 from ragcache.store.disk import DiskTier
 from ragcache.store.memory import MemoryTier
 
@@ -100,11 +101,14 @@ def _grid_bounds_hold(k: torch.Tensor, k_hat: torch.Tensor, v: torch.Tensor, v_h
                       v_bits: int) -> bool:
     """A layer's K (pre-RoPE) and V (H, n, hd) against their +b decoding: V within the grid's half step, K too
     but clipped in blocks of g tokens (beyond the kept range an element is off by up to a quarter more)."""
+    return bool(((v_hat - v).abs() <= _grid_bound(v, 2, v_bits)).all()) and _k_grid_bound_holds(k, k_hat, g, k_bits)
+
+
+def _k_grid_bound_holds(k: torch.Tensor, k_hat: torch.Tensor, g: int, bits: int) -> bool:
     blocks = [k[:, s : s + g] for s in range(0, k.shape[1], g)]
-    largest = max(float((x.amax(1) - x.amin(1)).max()) for x in blocks) / ((1 << k_bits) - 1)
-    return bool(((v_hat - v).abs() <= _grid_bound(v, 2, v_bits)).all()) and all(
-        ((k_hat[:, s : s + g] - x).abs() <= (x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) / 4
-         + _grid_bound(x, 1, k_bits, largest)).all() for s, x in zip(range(0, k.shape[1], g), blocks))
+    largest = max(float((x.amax(1) - x.amin(1)).max()) for x in blocks) / ((1 << bits) - 1)
+    return all(((k_hat[:, s : s + g] - x).abs() <= (x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) / 4
+                + _grid_bound(x, 1, bits, largest)).all() for s, x in zip(range(0, k.shape[1], g), blocks))
 
 
 def test_byte_scales_cost_half_the_scales_bits_and_keep_the_error_bound_on_real_kv(real_chunk, smol_runner):
@@ -178,6 +182,38 @@ def _store(db, root) -> TieredStore:
     return TieredStore(db, [MemoryTier("cpu", "cpu", 0)], [DiskTier(root, 1 << 30)])  # every get reads the disk
 
 
+def test_a_tensor_past_4_bits_takes_a_byte_a_symbol_within_its_finer_bound_and_the_others_are_unchanged(
+        real_chunk, smol_runner):
+    """`+v1=8` (cacheblend's check layer) and `+k18=6` on real KV: those two frames are WIDE, their error the
+    finer step's (8 bits: V within half a step of its own per-token range; each tensor's squared error far under
+    the 4-bit one's), every other frame byte for byte the one without them."""
+    from ragcache.store.compact import BYTES, WIDE, encode_frames
+
+    n = len(real_chunk)
+    k_pre = rotate_k(real_chunk.k, -torch.arange(real_chunk.start, real_chunk.start + n), smol_runner.inv_freq)
+    names = ["compact-k3v3+k16:30+L1+g96+b", "compact-k3v3+k16:30+L1+v1=8+k18=6+g96+b",
+             "compact-k3v3+k16:30+L1+v1=4+k18=4+g96+b"]
+    specs = [spec_for(x, smol_runner.num_layers, None, "fp") for x in names]
+    assert (specs[1].v_bits[1], specs[1].k_bits[18], specs[0].v_bits[1], specs[0].k_bits[18]) == (8, 6, 4, 4)
+    frames = [encode_frames(k_pre, real_chunk.v, s) for s in specs]
+    wide = {3, 36}  # V of layer 1, K of layer 18
+    for i, (plain, widened) in enumerate(zip(frames[0], frames[1])):
+        assert bool(widened[3] >> 4 & WIDE) == (i in wide), i
+        assert (plain == widened) == (i not in wide), i
+    (k4, v4), (kw, vw) = _decoded(frames[2], k_pre.shape), _decoded(frames[1], k_pre.shape)
+    v, k = real_chunk.v[1], k_pre[18]
+    if frames[1][3][3] >> 4 & BYTES:  # a wide V's lo rarely fits a byte's reach: float16 scales then
+        assert ((vw[1] - v).abs() <= _grid_bound(v, 2, 8)).all()
+    else:
+        assert _within_bound(v, vw[1], 8, dim=2)
+    if frames[1][36][3] >> 4 & BYTES:
+        assert _k_grid_bound_holds(k, kw[18], 96, 6)
+    else:
+        assert all(_clipped_within_bound(k[:, s : s + 96], kw[18, :, s : s + 96], 6) for s in range(0, n, 96))
+    assert (vw[1] - v).square().sum() < (v4[1] - v).square().sum() / 100  # steps 17× finer: ~289× less
+    assert (kw[18] - k).square().sum() < (k4[18] - k).square().sum() / 8  # 5× finer: ~25× less, clipping aside
+
+
 @pytest.mark.parametrize("damage", ["frame", "head"])
 def test_raw_and_compact_blobs_share_a_store_and_a_corrupt_frame_is_never_served(db, tmp_path, damage):
     spec = Spec.uniform("compact-k3v3+g16+r", 4, 3, 3, k_group=16, v_rotate=True)
@@ -198,7 +234,7 @@ def test_raw_and_compact_blobs_share_a_store_and_a_corrupt_frame_is_never_served
     assert store.get("old") is not None
 
 
-@pytest.mark.parametrize("name", ["compact-k2v2", "compact-k2v2+g16+r", "compact-k2v2+g16+b"])
+@pytest.mark.parametrize("name", ["compact-k2v2", "compact-k2v2+g16+r", "compact-k2v2+g16+b", "compact-k2v2+v1=8+k1=5"])
 def test_a_frame_damaged_in_memory_does_not_decode(name):
     spec = spec_for(name, 4, None, "fp")
     entry = encode(fake_chunk(8, n=40), "float32", spec, 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
@@ -208,7 +244,8 @@ def test_a_frame_damaged_in_memory_does_not_decode(name):
         decode(entry, torch.float32, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("name", ["compact-k3v3", "compact-k3v2+g16+r", "compact-k3v2+g16+r+b", "compact-k3v3+b"])
+@pytest.mark.parametrize("name", ["compact-k3v3", "compact-k3v2+g16+r", "compact-k3v2+g16+r+b", "compact-k3v3+b",
+                                  "compact-k3v3+k0=6+v1=8+g16+b"])
 def test_the_cpu_unpacking_equals_the_torch_one_the_gpu_runs(name):
     """A contiguous float32 output is unpacked by numba in one pass; any other (CUDA's, or a strided view
     here) by torch. Both give the same floats, for every frame kind, a short last K block included."""
@@ -225,7 +262,7 @@ def test_the_cpu_unpacking_equals_the_torch_one_the_gpu_runs(name):
         assert fast.abs().max() > 0
 
 
-@pytest.mark.parametrize("name", ["compact", "compact-k3v3+k16:30+L1+g96+b"])
+@pytest.mark.parametrize("name", ["compact", "compact-k3v3+k16:30+L1+g96+b", "compact-k3v3+k16:30+L1+v1=8+k18=6+g96+b"])
 def test_the_rounding_error_the_decoder_reports_is_the_error_it_made_on_real_v(real_chunk, smol_runner, tmp_path,
                                                                                  name):
     """cacheblend takes it off its deviation: per token, summed over heads and hd, step²/12 an element."""
@@ -264,6 +301,9 @@ def test_a_codec_name_moves_k_and_v_bits_by_layer_range_and_a_boost_wins():
     assert spec_for("compact-k3v3", 4, None, "fp") == Spec.uniform("compact-k3v3", 4, 3, 3)  # no shift: as before
     assert spec_for("compact-k3v3+g96+b", 4, None, "fp").byte_scales and not spec_for("compact-k3v3", 4, None, "fp").byte_scales
     Settings(kv_codec="compact-k3v3+k16:30-v0:16+L1+g96")
-    for bad in ("compact-k3v3+k16", "compact-k3v3+x0:4", "compact-k3v3+L1+k0:4", "compact-k3v3+b+r"):
+    wide = spec_for("compact-k3v3+k0:2+L1+v1=8+k0=2+v2=5+v9=8+g96", 4, None, "fp")  # set last; past the layers: none
+    assert wide.k_bits == (2, 4, 3, 3) and wide.v_bits == (3, 8, 5, 3) and wide.k_group == 96
+    for bad in ("compact-k3v3+k16", "compact-k3v3+x0:4", "compact-k3v3+L1+k0:4", "compact-k3v3+b+r",
+                "compact-k3v3+v1=9", "compact-k3v3+v1=1", "compact-k3v3+v1=8+L1", "compact-k3v3+v1=8+k0:4"):
         with pytest.raises(ValidationError, match="compact-kXvY"):
             Settings(kv_codec=bad)

@@ -8,7 +8,7 @@ from blend import CacheBlend, Epic, Probe, Reuse, compute_chunk, compute_prefix,
 from blend.batch import fuse_batch
 from blend.reweight import Reweight, Reweighted
 from ragcache.store import CorruptBlob, decode, encode
-from ragcache.store.compact import Spec
+from ragcache.store.widths import Spec
 from ragcache.store.layers import decode_layerwise
 
 CPU = torch.device("cpu")
