@@ -97,6 +97,13 @@ def _counts(text: str) -> list[int]:
     return values
 
 
+def _span(text: str) -> tuple[int, int]:
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts) or not 2 <= int(parts[0]) <= int(parts[1]) <= 8:
+        raise argparse.ArgumentTypeError(f"expected LO:HI with 2 <= LO <= HI <= 8, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -212,6 +219,10 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     cc.add_argument("--k-bits", type=int, choices=[2, 3, 4], default=3)
     cc.add_argument("--v-bits", type=int, choices=[2, 3, 4], default=3)
     cc.add_argument("--max-bits", type=float, default=3.2, help="mean bits per element, everything counted")
+    cc.add_argument("--check-bits", type=int, choices=[0, *range(2, 9)], default=8,
+                    help="bits for V of cacheblend's check layer, whose deviation picks the rows it recomputes (0: "
+                         "like any other layer)")
+    cc.add_argument("--widths", type=_span, default=(2, 6), help="LO:HI, the widths a tensor may take (2..8)")
     cc.add_argument("--quiet", action="store_true")
     cc.set_defaults(func=commands.calibrate_codec)
 

@@ -1,19 +1,23 @@
-"""`ragcache calibrate-codec`: which layers' K and V the `compact` codec gives one more bit, measured once per model.
+"""`ragcache calibrate-codec`: how many bits each layer's K and V get in the `compact` codec, measured once per model.
 
 Each (layer, tensor)'s sensitivity is measured alone: that layer's K, or its V, through the codec at the base
 widths, everything else exact, on real chunks of the given dev questions; its cost is the KL from reuse over the
 exact chunks to reuse over those, teacher-forced along full prefill's answer (reuse: the mode that trusts stored KV
 most). A KL between the two stores' outputs is ≥ 0 and grows with the error's effect alone; the rise of the KL
 against full prefill (the measure before this one) also moves with the error's first-order luck, up or down, and on
-ten questions that swamped most layers' effect (BENCHMARKS.md). Boosts go to the best sensitivity per bit first, as
-many as keep the mean under `max_bits` per element (every scale, sum and header counted, on those chunks). Several
-passage counts (`--top-k 4,10`) add their sensitivities. K's symbols are chosen by error feedback (`+f`) against the
+ten questions that swamped most layers' effect (BENCHMARKS.md). Each tensor then takes a width in `--widths`
+(2..6): its cost at every width is measured on the chunks (every scale, sum and header counted), its sensitivity at
+w bits taken as the measured one × 4^(base − w); from every tensor at the lowest width, the bit that saves the most
+sensitivity per bit goes next, as long as the mean stays under `max_bits` (`allocate`). Several passage counts
+(`--top-k 4,10`) add their sensitivities. K's symbols are chosen by error feedback (`+f`) against the
 queries of the same questions' full prompts (key_weighting.py), measured first and stored beside the widths; the
-sensitivities are measured with it. The chunks' KV is computed as the deployment computes it
-(RAGCACHE_CHUNK_PREFILL; a lead is picked from the other questions' passages, as `ragcache eval` picks it, unless
-RAGCACHE_CHUNK_LEAD names one). K's token blocks and V's rotation are the uncalibrated default's (codecs.DEFAULT).
-The widths are stored per model in RAGCACHE_HOME/codec/ (store/codecs.py), where `RAGCACHE_KV_CODEC=compact` finds
-them.
+sensitivities are measured with it. CacheBlend's check-layer tensor (V of layer 1) is set to `check_bits` (8) before
+the others, its cost counted: its deviation ranks the rows cacheblend recomputes, and 4-bit rounding there changed
+half of them (BENCHMARKS.md), an effect reuse's KL does not see. The chunks' KV is computed as the deployment
+computes it (RAGCACHE_CHUNK_PREFILL; a lead is picked from the other questions' passages, as `ragcache eval` picks
+it, unless RAGCACHE_CHUNK_LEAD names one). K's token blocks and V's rotation are the uncalibrated default's
+(codecs.DEFAULT). The widths are stored per model in RAGCACHE_HOME/codec/ (store/codecs.py), where
+`RAGCACHE_KV_CODEC=compact` finds them.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from blend import ChunkKV, Full, PrefixKV, Reuse, compute_chunk
+from blend import CacheBlend, ChunkKV, Full, PrefixKV, Reuse, compute_chunk
 from blend.prompt import SEPARATOR, as_ids, encode as tokenize
 
 from ..errors import UserError
@@ -62,10 +66,44 @@ def _reuse_tf(service, chunks, suffix, cfg, full) -> torch.Tensor:
     return out["tf"]
 
 
+def allocate(sens: list[list[float]], cost: dict[int, list[list[float]]], base: tuple[int, int], span: tuple[int, int],
+             budget: float, pinned: tuple[int, int, int] | None = None) -> list[list[int]]:
+    """Each tensor's width in span (lo, hi): sens (K/V, L) measured at the base widths; cost {width: (K/V, L)} bits per
+    element over the base's (0 at the base); budget: bits per element the widths may add to the base's; pinned
+    (K/V, layer, width) set first, its cost counted. A tensor at w bits is taken to cost sens · 4^(base − w) (half the
+    step, a quarter of the rounding's power). From every tensor at lo, the step that saves the most sensitivity per
+    bit goes next, as long as it fits and saves something (ties: K first, then the lower layer) → widths (K/V, L)."""
+    lo, hi = span
+    widths = [[lo] * len(sens[0]) for _ in (0, 1)]
+    if pinned is not None:
+        widths[pinned[0]][pinned[1]] = pinned[2]
+    spent = sum(cost[w][t][l] for t, row in enumerate(widths) for l, w in enumerate(row))
+    while True:
+        best, pick = 0.0, None
+        for t, row in enumerate(widths):
+            for l, w in enumerate(row):
+                if w >= hi or (pinned is not None and (t, l) == pinned[:2]):
+                    continue
+                step = cost[w + 1][t][l] - cost[w][t][l]
+                gain = sens[t][l] * 4.0 ** (base[t] - w) * 0.75
+                per_bit = gain / max(step, 1e-9)
+                if spent + step <= budget and per_bit > best:
+                    best, pick = per_bit, (t, l, step)
+        if pick is None:
+            return widths
+        widths[pick[0]][pick[1]] += 1
+        spent += pick[2]
+
+
 def calibrate_codec(service, dataset, first: int, count: int, top_k: list[int], base: tuple[int, int],
-                    max_bits: float, progress=print) -> tuple[Spec, dict]:
+                    max_bits: float, check_bits: int = 8, span: tuple[int, int] = (2, 6), progress=print
+                    ) -> tuple[Spec, dict]:
     runner = service.runner
     layers = runner.num_layers
+    if not span[0] <= min(base) <= max(base) <= span[1]:
+        raise UserError(f"--widths {span[0]}:{span[1]} must hold the base widths K {base[0]}, V {base[1]}")
+    blend = CacheBlend()  # the check layer, and the tensor whose deviation ranks rows there, of the default mode
+    check = ("kv".index(blend.by), min(blend.check_layer, layers - 1), check_bits) if check_bits else None
     default = spec_for(DEFAULT, layers, service.settings.home, "")  # K's blocks, V's rotation, scales: the default's
     items, behind = measured(service, dataset, first, count)
     cases = [([as_ids(tokenize(service.tokenizer, c["text"] + SEPARATOR)) for c in item["ctxs"][:k]],
@@ -76,8 +114,8 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: list[int], 
                                                   for ids, suffix in cases]))
     form = dict(k_group=default.k_group, v_rotate=default.v_rotate, byte_scales=default.byte_scales, keys=keys)
     base_spec = Spec.uniform("compact", layers, *base, **form)
-    boosted = Spec.uniform("compact", layers, min(4, base[0] + 1), min(4, base[1] + 1), **form)
-    cost_of = torch.zeros(2, layers)  # (K/V, L): the bytes one more bit adds
+    measures = sorted({*range(span[0], span[1] + 1), *([check_bits] if check_bits else [])})
+    cost_of = {w: torch.zeros(2, layers) for w in measures}  # (K/V, L): the bytes each width adds to the base's
     sensitivity, elements, total = torch.zeros(2, layers), 0, 0
     for n, (ids, suffix) in enumerate(cases):
         cfg = EvalConfig(dataset, top_k=len(ids), max_new_tokens=16)
@@ -88,9 +126,10 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: list[int], 
             entry = encode(c, "float32", base_spec, runner.inv_freq)
             coded.append(decode(entry, torch.float32, torch.device("cpu")))
             pre.append(rotate_k(c.k, -torch.arange(c.start, c.start + len(c)), runner.inv_freq))
-            up = encode(c, "float32", boosted, runner.inv_freq)
-            cost_of += torch.tensor([[len(up.frames[2 * l + t]) - len(entry.frames[2 * l + t]) for l in range(layers)]
-                                     for t in (0, 1)], dtype=torch.float32)
+            for w in measures:
+                at = encode(c, "float32", Spec.uniform("compact", layers, w, w, **form), runner.inv_freq)
+                cost_of[w] += torch.tensor([[len(at.frames[2 * l + t]) - len(entry.frames[2 * l + t]) if w != base[t]
+                                             else 0 for l in range(layers)] for t in (0, 1)], dtype=torch.float32)
             total += len(to_bytes(entry))
             elements += 2 * c.k.numel()
         exact = _reuse_tf(service, [_mixed(c, p, d, None) for c, p, d in zip(chunks, pre, coded)], suffix, cfg, full)
@@ -101,19 +140,15 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: list[int], 
                 m = min(len(exact), len(out))
                 sensitivity[t, l] += float(kl(exact[:m], out[:m]).mean()) / len(items)
         progress(f"question {first + n % len(items)} at {len(ids)} passages: done")
-    cost, sens = (cost_of * 8 / elements).tolist(), sensitivity.tolist()  # bits per element each boost adds
-    chosen: set[tuple[int, int]] = set()
-    used = 8 * total / elements
-    per_bit = {(t, l): sens[t][l] / max(cost[t][l], 1e-9) for t in (0, 1) for l in range(layers) if base[t] < 4}
-    for t, l in sorted(per_bit, key=lambda tl: -per_bit[tl]):
-        if used + cost[t][l] <= max_bits:
-            chosen.add((t, l))
-            used += cost[t][l]
-    widths = [tuple(base[t] + ((t, l) in chosen) for l in range(layers)) for t in (0, 1)]  # a 4-bit base is never boosted
-    spec = Spec("compact", *widths, default.k_group, default.v_rotate, default.byte_scales, keys)
-    report = {"base": list(base), "boosted": {x: sorted(l for t, l in chosen if t == i) for i, x in enumerate("kv")},
-              "bits_per_element": used,
-              "boost_cost_bits": dict(zip("kv", cost)), "sensitivity": dict(zip("kv", sens)),
+    cost = {w: (c * 8 / elements).tolist() for w, c in cost_of.items()}  # bits per element over the base's
+    sens, start = sensitivity.tolist(), 8 * total / elements
+    widths = allocate(sens, cost, base, span, max_bits - start, check)
+    spec = Spec("compact", *map(tuple, widths), default.k_group, default.v_rotate, default.byte_scales, keys)
+    report = {"base": list(base), "widths": list(span), "bits_per_element": start + sum(
+                  cost[w][t][l] for t, row in enumerate(widths) for l, w in enumerate(row)),
+              "check": None if check is None else {"tensor": "kv"[check[0]], "layer": check[1], "bits": check_bits},
+              "cost_bits": {str(w): dict(zip("kv", c)) for w, c in cost.items()}, "base_bits": start,
+              "sensitivity": dict(zip("kv", sens)),
               "questions": [first, first + len(items)], "dataset": str(dataset), "top_k": list(top_k),
               "chunk_prefill": service.settings.chunk_prefill}
     save_calibration(service.settings.home, service.model.fingerprint, spec, report)
@@ -134,11 +169,14 @@ def measured(service, dataset, first: int, count: int) -> tuple[list[dict], Pref
 
 def command(service, args) -> int:
     """`ragcache calibrate-codec`: measure, store, and say what `compact` now is."""
-    _, report = calibrate_codec(service, args.dataset, args.first, args.count, args.top_k, (args.k_bits, args.v_bits),
-                                args.max_bits, progress=(lambda _: None) if args.quiet else print)
-    print(f"compact for this model: K {args.k_bits} and V {args.v_bits} bits ({DEFAULT}'s blocks), one more for K in "
-          f"layers {report['boosted']['k']} and for V in {report['boosted']['v']}: {report['bits_per_element']:.2f} "
-          "bits per element on the dev chunks "
+    spec, report = calibrate_codec(service, args.dataset, args.first, args.count, args.top_k,
+                                   (args.k_bits, args.v_bits), args.max_bits, args.check_bits, args.widths,
+                                   progress=(lambda _: None) if args.quiet else print)
+    moved = "; ".join(f"{x} at {w} in layers {[l for l, b in enumerate(row) if b == w]}"
+                      for x, row, b0 in (("K", spec.k_bits, args.k_bits), ("V", spec.v_bits, args.v_bits))
+                      for w in sorted(set(row) - {b0}))
+    print(f"compact for this model: K {args.k_bits} and V {args.v_bits} bits ({DEFAULT}'s blocks), "
+          f"{moved or 'no other'}: {report['bits_per_element']:.2f} bits per element on the dev chunks "
           f"({report['chunk_prefill']} chunk KV), K's symbols by error feedback against these questions' queries; "
           "RAGCACHE_KV_CODEC=compact uses it")
     return 0

@@ -256,14 +256,30 @@ def test_frontier_keeps_the_modes_nothing_beats_on_speed_and_kl():
     assert frontier(modes) == ["c", "b", "full"]  # a is slower and worse than b; d ties b's KL, slower
 
 
-def test_calibrate_codec_boosts_the_most_sensitive_layers_of_the_deployments_chunk_kv_and_compact_then_uses_them(
+def test_the_widths_go_where_a_bit_saves_the_most_sensitivity_within_the_budget():
+    """`allocate` on tables where the answer is known: from every tensor at the lowest width, each next bit to the step
+    that saves the most (sensitivity × 4^(base − w) a tensor), ties to K and the lower layer; a step that does not fit
+    is passed over for one that does; nothing goes where it saves nothing; a pinned width is set and paid first."""
+    from ragcache.evaluation.codec_calibrate import allocate
+
+    flat = {w: [[float(w - 3)] * 2 for _ in "kv"] for w in range(2, 9)}  # every step a bit; 0 at the base
+    assert allocate([[1.0, 0.0], [0.0, 0.0]], flat, (3, 3), (2, 5), 0.0) == [[5, 2], [2, 2]]  # 4 bits, 3 save
+    # k0's steps save 3, 0.75, 0.19; k1's 0.75, 0.19: three bits go to k0, k0 (the tie's K0 first), then k1
+    assert allocate([[1.0, 0.25], [0.0, 0.0]], flat, (3, 3), (2, 5), -1.0) == [[4, 3], [2, 2]]
+    dear = {w: [[10.0 * (w - 3), 0.1 * (w - 3)], [0.1 * (w - 3)] * 2] for w in range(2, 9)}
+    assert allocate([[1.0, 0.01], [0.0, 0.0]], dear, (3, 3), (2, 5), -9.5) == [[2, 5], [2, 2]]  # k0's step: 10 bits
+    # V of layer 1 pinned at 8: its 5 bits paid first, 2 left (k0 to 4); it never moves, however sensitive
+    assert allocate([[1.0, 0.0], [0.0, 5.0]], flat, (3, 3), (2, 5), 4.0, (1, 1, 8)) == [[4, 2], [2, 8]]
+
+
+def test_calibrate_codec_sets_each_tensors_width_by_its_sensitivity_and_cost_and_compact_then_uses_them(
         tmp_path, tiny, smollm):
     """`ragcache calibrate-codec` on one question: its chunks computed behind the deployment's lead (picked from the
-    other question's passages, as `eval` picks it); the layers given one more bit are the most sensitive measured
-    that fit within the bits asked for, in order; `compact` is then those widths, K's symbols by feedback against the weighting stored
-    beside them."""
+    other question's passages, as `eval` picks it); V of cacheblend's check layer at 8 bits; every other tensor's
+    width in 2..6 as `allocate` sets it from the measured sensitivities and costs, within the bits asked for;
+    `compact` is then those widths, K's symbols by feedback against the weighting stored beside them."""
     from ragcache import RagCache
-    from ragcache.evaluation.codec_calibrate import calibrate_codec, measured
+    from ragcache.evaluation.codec_calibrate import allocate, calibrate_codec, measured
     from ragcache.evaluation.evaluate import dataset_lead
     from ragcache.store.codecs import DEFAULT
 
@@ -274,20 +290,20 @@ def test_calibrate_codec_boosts_the_most_sensitive_layers_of_the_deployments_chu
         assert behind.key == service.chunk_prefix(how="lead", lead=lead).key != service.prefix.key
         assert service.codec_spec("compact") == service.codec_spec(DEFAULT)  # not calibrated yet
         spec, report = calibrate_codec(service, tiny, 0, 1, [2, 1], (3, 3), 3.2, progress=lambda _: None)
-        sens, cost, boosted = report["sensitivity"], report["boost_cost_bits"], report["boosted"]
-        layers = service.runner.num_layers
+        sens, layers = report["sensitivity"], service.runner.num_layers
+        cost = {int(w): [c["k"], c["v"]] for w, c in report["cost_bits"].items()}
         assert report["chunk_prefill"] == "lead" and report["top_k"] == [2, 1]  # both counts' sensitivities add
-        assert len(sens["k"]) == len(sens["v"]) == layers
+        assert len(sens["k"]) == len(sens["v"]) == layers and sorted(cost) == [2, 3, 4, 5, 6, 8]
         assert min(sens["k"] + sens["v"]) >= 0 and sum(sens["k"]) > 0  # a KL between two stores' outputs
-        assert 0 < len(boosted["k"]) + len(boosted["v"]) < 2 * layers and report["bits_per_element"] <= 3.2
-        used = report["bits_per_element"] - sum(cost[t][l] for t in "kv" for l in boosted[t])
-        per_bit = {(t, l): sens[t][l] / max(cost[t][l], 1e-9) for t in "kv" for l in range(layers)}
-        for t, l in sorted(per_bit, key=lambda tl: -per_bit[tl]):
-            fits = used + cost[t][l] <= 3.2 + 1e-6  # by sensitivity per bit, each boosted if it still fits
-            assert (l in boosted[t]) == fits, (t, l, used)
-            used += cost[t][l] if fits else 0
-        assert spec.k_bits == tuple(4 if l in boosted["k"] else 3 for l in range(layers))
-        assert spec.v_bits == tuple(4 if l in boosted["v"] else 3 for l in range(layers))
+        for t in (0, 1):  # each width costs more than the one below it, on the sum over layers
+            sums = [sum(cost[w][t]) for w in sorted(cost)]
+            assert sums == sorted(sums) and len(set(sums)) == len(sums) and sums[1] == 0, sums
+        assert report["check"] == {"tensor": "v", "layer": 1, "bits": 8} and spec.v_bits[1] == 8
+        widths = [list(spec.k_bits), list(spec.v_bits)]
+        assert widths == allocate([sens["k"], sens["v"]], cost, (3, 3), (2, 6), 3.2 - report["base_bits"], (1, 1, 8))
+        spent = report["base_bits"] + sum(cost[w][t][l] for t, row in enumerate(widths) for l, w in enumerate(row))
+        assert abs(report["bits_per_element"] - spent) < 1e-9 and spent <= 3.2
+        assert min(spec.k_bits + spec.v_bits) == 2 and max(spec.k_bits) > 4  # the widths move both ways
         assert service.codec_spec("compact") == spec
         assert torch.equal(service.codec_spec("compact").keys.h, spec.keys.h)  # K's feedback weighting stored too
         assert service.codec_spec("compact-k3v3+b+f").keys is not None
