@@ -116,6 +116,7 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: list[int], 
     base_spec = Spec.uniform("compact", layers, *base, **form)
     measures = sorted({*range(span[0], span[1] + 1), *([check_bits] if check_bits else [])})
     cost_of = {w: torch.zeros(2, layers) for w in measures}  # (K/V, L): the bytes each width adds to the base's
+    specs = {w: Spec.uniform("compact", layers, w, w, **form) for w in measures if (w, w) != base}  # the base: 0
     sensitivity, elements, total = torch.zeros(2, layers), 0, 0
     for n, (ids, suffix) in enumerate(cases):
         cfg = EvalConfig(dataset, top_k=len(ids), max_new_tokens=16)
@@ -126,8 +127,8 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: list[int], 
             entry = encode(c, "float32", base_spec, runner.inv_freq)
             coded.append(decode(entry, torch.float32, torch.device("cpu")))
             pre.append(rotate_k(c.k, -torch.arange(c.start, c.start + len(c)), runner.inv_freq))
-            for w in measures:
-                at = encode(c, "float32", Spec.uniform("compact", layers, w, w, **form), runner.inv_freq)
+            for w, uniform in specs.items():
+                at = encode(c, "float32", uniform, runner.inv_freq)
                 cost_of[w] += torch.tensor([[len(at.frames[2 * l + t]) - len(entry.frames[2 * l + t]) if w != base[t]
                                              else 0 for l in range(layers)] for t in (0, 1)], dtype=torch.float32)
             total += len(to_bytes(entry))
