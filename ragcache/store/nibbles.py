@@ -4,9 +4,9 @@ error feedback, feedback.py). One file: numba's on-disk cache keys a function by
 share `_dither` and `_lo`.
 
 Each byte holds two symbols (channel j low, channel j + hd/2 high), or in a WIDE frame one; a symbol q becomes
-q · step + lo of its group: per (head, token) for V, per (head, block of tokens, channel) for K. Torch needed five passes
-over the output for the same (two masked copies, a multiply, an add, the packed bytes' own copy); this
-writes each float once from the bytes zstd returned.
+q · step + lo of its group: per (head, token) for V, per (head, block of tokens, channel) for K. Torch needed
+five passes over the output for the same (two masked copies, a multiply, an add, the packed bytes' own copy);
+this writes each float once from the bytes zstd returned.
 """
 from __future__ import annotations
 
