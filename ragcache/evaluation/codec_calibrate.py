@@ -1,21 +1,22 @@
 """`ragcache calibrate-codec`: how many bits each layer's K and V get in the `compact` codec, measured once per model.
 
-Each (layer, tensor)'s sensitivity is measured alone: that layer's K, or its V, through the codec at the base
-widths, everything else exact, on real chunks of the given dev questions; its cost is the KL from reuse over the
-exact chunks to reuse over those, teacher-forced along full prefill's answer (reuse: the mode that trusts stored KV
-most). A KL between the two stores' outputs is ≥ 0 and grows with the error's effect alone; the rise of the KL
-against full prefill (the measure before this one) also moves with the error's first-order luck, up or down, and on
-ten questions that swamped most layers' effect (BENCHMARKS.md). Each tensor then takes a width in `--widths`
-(2..6): its cost at every width is measured on the chunks (every scale, sum and header counted), its sensitivity at
-w bits taken as the measured one × 4^(base − w); from every tensor at the lowest width, the bit that saves the most
-sensitivity per bit goes next, as long as the mean stays under `max_bits` (`allocate`). Several passage counts
-(`--top-k 4,10`) add their sensitivities. K's symbols are chosen by error feedback (`+f`) against the
-queries of the same questions' full prompts (key_weighting.py), measured first and stored beside the widths; the
-sensitivities are measured with it. CacheBlend's check-layer tensor (V of layer 1) is set to `check_bits` (8) before
-the others, its cost counted: its deviation ranks the rows cacheblend recomputes, and 4-bit rounding there changed
-half of them (BENCHMARKS.md), an effect reuse's KL does not see. The chunks' KV is computed as the deployment
-computes it (RAGCACHE_CHUNK_PREFILL; a lead is picked from the other questions' passages, as `ragcache eval` picks
-it, unless RAGCACHE_CHUNK_LEAD names one). K's token blocks and V's rotation are the uncalibrated default's
+Each (layer, tensor)'s sensitivity is measured alone: that layer's K, or its V, through the codec at the base widths
+(and at the lowest), everything else exact, on real chunks of the given dev questions; its cost is the KL from reuse
+over the exact chunks to reuse over those, teacher-forced along full prefill's answer (reuse: the mode that trusts
+stored KV most). A KL between the two stores' outputs is ≥ 0 and grows with the error's effect alone; the rise of the
+KL against full prefill (the measure before this one) also moves with the error's first-order luck, up or down, and on
+ten questions that swamped most layers' effect (BENCHMARKS.md). Each tensor then takes a width in `--widths` (2..6):
+its cost at every width is measured on the chunks (every scale, sum and header counted), its sensitivity at the base
+widths and at the lowest (the step down to 2 bits measured 2.7–32× the 3-bit KL, not the 4× a model gives:
+BENCHMARKS.md), at any other width taken as the nearest measured one below's × 4^(m − w); from every tensor at the
+lowest width, the raise that saves the most sensitivity per bit goes next, as long as the mean stays under `max_bits`
+(`allocate`). Several passage counts (`--top-k 4,10`) add their sensitivities. K's symbols are chosen by error feedback
+(`+f`) against the queries of the same questions' full prompts (key_weighting.py), measured first and stored beside the
+widths; the sensitivities are measured with it. CacheBlend's check-layer tensor (V of layer 1) is set to `check_bits`
+(8) before the others and not measured, its cost counted: its deviation ranks the rows cacheblend recomputes, and 4-bit
+rounding there changed half of them (BENCHMARKS.md), an effect reuse's KL does not see. The chunks' KV is computed as
+the deployment computes it (RAGCACHE_CHUNK_PREFILL; a lead is picked from the other questions' passages, as `ragcache
+eval` picks it, unless RAGCACHE_CHUNK_LEAD names one). K's token blocks and V's rotation are the uncalibrated default's
 (codecs.DEFAULT). The widths are stored per model in RAGCACHE_HOME/codec/ (store/codecs.py), where
 `RAGCACHE_KV_CODEC=compact` finds them.
 """
@@ -51,7 +52,8 @@ class _Given:
         return self.chunks
 
 
-def _mixed(exact: ChunkKV, k_pre: torch.Tensor, coded: ChunkKV, layer: int | None, tensor: int = 0) -> ChunkKV:
+def _mixed(exact: ChunkKV, k_pre: torch.Tensor, coded: ChunkKV | None, layer: int | None, tensor: int = 0
+           ) -> ChunkKV:
     """The chunk with K before RoPE, exact but for `tensor` (0: K, 1: V) of `layer`, which is the codec's."""
     k, v = k_pre.clone(), exact.v.clone()
     if layer is not None:
@@ -66,15 +68,22 @@ def _reuse_tf(service, chunks, suffix, cfg, full) -> torch.Tensor:
     return out["tf"]
 
 
-def allocate(sens: list[list[float]], cost: dict[int, list[list[float]]], base: tuple[int, int], span: tuple[int, int],
+def allocate(sens: list[dict[int, list[float]]], cost: dict[int, list[list[float]]], span: tuple[int, int],
              budget: float, pinned: tuple[int, int, int] | None = None) -> list[list[int]]:
-    """Each tensor's width in span (lo, hi): sens (K/V, L) measured at the base widths; cost {width: (K/V, L)} bits per
-    element over the base's (0 at the base); budget: bits per element the widths may add to the base's; pinned
-    (K/V, layer, width) set first, its cost counted. A tensor at w bits is taken to cost sens · 4^(base − w) (half the
-    step, a quarter of the rounding's power). From every tensor at lo, the step that saves the most sensitivity per
-    bit goes next, as long as it fits and saves something (ties: K first, then the lower layer) → widths (K/V, L)."""
+    """Each tensor's width in span (lo, hi): sens[K/V] {width: (L,)} as measured at those widths; cost {width: (K/V, L)}
+    bits per element over the base's; budget: bits per element the widths may add to the base's; pinned (K/V, layer,
+    width) set first, its cost counted. At a width not measured a tensor is taken to cost the nearest measured width
+    below's sensitivity × 4^(m − w) (half the step, a quarter of the rounding's power; the lowest measured one's if none
+    is below). From every tensor at lo, the raise that saves the most sensitivity per bit goes next, as long as it fits
+    and saves something; a raise may skip widths, so a step that measured no gain does not hide the ones after it
+    (ties: the shorter raise, K first, then the lower layer) → widths (K/V, L)."""
     lo, hi = span
-    widths = [[lo] * len(sens[0]) for _ in (0, 1)]
+
+    def level(t: int, l: int, w: int) -> float:
+        m = max((x for x in sens[t] if x <= w), default=min(sens[t]))
+        return sens[t][m][l] * 4.0 ** (m - w)
+
+    widths = [[lo] * len(next(iter(sens[0].values()))) for _ in (0, 1)]
     if pinned is not None:
         widths[pinned[0]][pinned[1]] = pinned[2]
     spent = sum(cost[w][t][l] for t, row in enumerate(widths) for l, w in enumerate(row))
@@ -82,17 +91,17 @@ def allocate(sens: list[list[float]], cost: dict[int, list[list[float]]], base: 
         best, pick = 0.0, None
         for t, row in enumerate(widths):
             for l, w in enumerate(row):
-                if w >= hi or (pinned is not None and (t, l) == pinned[:2]):
+                if pinned is not None and (t, l) == pinned[:2]:
                     continue
-                step = cost[w + 1][t][l] - cost[w][t][l]
-                gain = sens[t][l] * 4.0 ** (base[t] - w) * 0.75
-                per_bit = gain / max(step, 1e-9)
-                if spent + step <= budget and per_bit > best:
-                    best, pick = per_bit, (t, l, step)
+                for to in range(w + 1, hi + 1):
+                    step = cost[to][t][l] - cost[w][t][l]
+                    per_bit = (level(t, l, w) - level(t, l, to)) / max(step, 1e-9)
+                    if spent + step <= budget and per_bit > best:
+                        best, pick = per_bit, (t, l, to, step)
         if pick is None:
             return widths
-        widths[pick[0]][pick[1]] += 1
-        spent += pick[2]
+        widths[pick[0]][pick[1]] = pick[2]
+        spent += pick[3]
 
 
 def calibrate_codec(service, dataset, first: int, count: int, top_k: list[int], base: tuple[int, int],
@@ -117,39 +126,43 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: list[int], 
     measures = sorted({*range(span[0], span[1] + 1), *([check_bits] if check_bits else [])})
     cost_of = {w: torch.zeros(2, layers) for w in measures}  # (K/V, L): the bytes each width adds to the base's
     specs = {w: Spec.uniform("compact", layers, w, w, **form) for w in measures if (w, w) != base}  # the base: 0
-    sensitivity, elements, total = torch.zeros(2, layers), 0, 0
+    probes = [base] + ([(span[0],) * 2] if span[0] < max(base) else [])  # each tensor's sensitivity measured there
+    sensitivity = [{p[t]: torch.zeros(layers) for p in probes} for t in (0, 1)]  # K/V: {width: (L,)}
+    elements, total = 0, 0
     for n, (ids, suffix) in enumerate(cases):
         cfg = EvalConfig(dataset, top_k=len(ids), max_new_tokens=16)
         chunks = [compute_chunk(runner, x, behind) for x in ids]
         full = run_mode(service, _Given(chunks), list(range(len(chunks))), suffix, Full(), cfg)
-        coded, pre = [], []
+        coded, pre = {p: [] for p in probes}, []
         for c in chunks:
             entry = encode(c, "float32", base_spec, runner.inv_freq)
-            coded.append(decode(entry, torch.float32, torch.device("cpu")))
+            at = {base: entry} | {(w, w): encode(c, "float32", u, runner.inv_freq) for w, u in specs.items()}
+            for p in probes:
+                coded[p].append(decode(at[p], torch.float32, torch.device("cpu")))
             pre.append(rotate_k(c.k, -torch.arange(c.start, c.start + len(c)), runner.inv_freq))
-            for w, uniform in specs.items():
-                at = encode(c, "float32", uniform, runner.inv_freq)
-                cost_of[w] += torch.tensor([[len(at.frames[2 * l + t]) - len(entry.frames[2 * l + t]) if w != base[t]
-                                             else 0 for l in range(layers)] for t in (0, 1)], dtype=torch.float32)
+            for w in specs:
+                cost_of[w] += torch.tensor([[len(at[w, w].frames[2 * l + t]) - len(entry.frames[2 * l + t])
+                                             if w != base[t] else 0 for l in range(layers)] for t in (0, 1)])
             total += len(to_bytes(entry))
             elements += 2 * c.k.numel()
-        exact = _reuse_tf(service, [_mixed(c, p, d, None) for c, p, d in zip(chunks, pre, coded)], suffix, cfg, full)
-        for t in (0, 1):
-            for l in range(layers):
-                out = _reuse_tf(service, [_mixed(c, p, d, l, t) for c, p, d in zip(chunks, pre, coded)], suffix, cfg,
-                                full)
-                m = min(len(exact), len(out))
-                sensitivity[t, l] += float(kl(exact[:m], out[:m]).mean()) / len(items)
+        exact = _reuse_tf(service, [_mixed(c, k, None, None) for c, k in zip(chunks, pre)], suffix, cfg, full)
+        for p in probes:
+            for t, l in ((t, l) for t in (0, 1) for l in range(layers) if p == base or p[t] != base[t]):
+                if check is None or (t, l) != check[:2]:  # the pinned tensor never moves: not measured
+                    out = _reuse_tf(service, [_mixed(c, k, d, l, t) for c, k, d in zip(chunks, pre, coded[p])],
+                                    suffix, cfg, full)
+                    m = min(len(exact), len(out))
+                    sensitivity[t][p[t]][l] += float(kl(exact[:m], out[:m]).mean()) / len(items)
         progress(f"question {first + n % len(items)} at {len(ids)} passages: done")
     cost = {w: (c * 8 / elements).tolist() for w, c in cost_of.items()}  # bits per element over the base's
-    sens, start = sensitivity.tolist(), 8 * total / elements
-    widths = allocate(sens, cost, base, span, max_bits - start, check)
+    sens, start = [{w: s.tolist() for w, s in at.items()} for at in sensitivity], 8 * total / elements
+    widths = allocate(sens, cost, span, max_bits - start, check)
     spec = Spec("compact", *map(tuple, widths), default.k_group, default.v_rotate, default.byte_scales, keys)
     report = {"base": list(base), "widths": list(span), "bits_per_element": start + sum(
                   cost[w][t][l] for t, row in enumerate(widths) for l, w in enumerate(row)),
               "check": None if check is None else {"tensor": "kv"[check[0]], "layer": check[1], "bits": check_bits},
               "cost_bits": {str(w): dict(zip("kv", c)) for w, c in cost.items()}, "base_bits": start,
-              "sensitivity": dict(zip("kv", sens)),
+              "sensitivity": {x: {str(w): s for w, s in at.items()} for x, at in zip("kv", sens)},
               "questions": [first, first + len(items)], "dataset": str(dataset), "top_k": list(top_k),
               "chunk_prefill": service.settings.chunk_prefill}
     save_calibration(service.settings.home, service.model.fingerprint, spec, report)

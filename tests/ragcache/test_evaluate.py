@@ -257,19 +257,28 @@ def test_frontier_keeps_the_modes_nothing_beats_on_speed_and_kl():
 
 
 def test_the_widths_go_where_a_bit_saves_the_most_sensitivity_within_the_budget():
-    """`allocate` on tables where the answer is known: from every tensor at the lowest width, each next bit to the step
-    that saves the most (sensitivity × 4^(base − w) a tensor), ties to K and the lower layer; a step that does not fit
-    is passed over for one that does; nothing goes where it saves nothing; a pinned width is set and paid first."""
+    """`allocate` on tables where the answer is known: from every tensor at the lowest width, each next raise to the one
+    that saves the most per bit (sensitivity as measured, × 4^(m − w) at a width above the measured m), ties to K and
+    the lower layer; a raise that does not fit is passed over for one that does; nothing goes where it saves nothing; a
+    raise may skip a width that measured no gain; a pinned width is set and paid first."""
     from ragcache.evaluation.codec_calibrate import allocate
 
     flat = {w: [[float(w - 3)] * 2 for _ in "kv"] for w in range(2, 9)}  # every step a bit; 0 at the base
-    assert allocate([[1.0, 0.0], [0.0, 0.0]], flat, (3, 3), (2, 5), 0.0) == [[5, 2], [2, 2]]  # 4 bits, 3 save
+
+    def at3(k, v=(0.0, 0.0)):  # measured at 3 bits only
+        return [{3: list(k)}, {3: list(v)}]
+
+    assert allocate(at3([1.0, 0.0]), flat, (2, 5), 0.0) == [[5, 2], [2, 2]]  # 4 bits, 3 save
     # k0's steps save 3, 0.75, 0.19; k1's 0.75, 0.19: three bits go to k0, k0 (the tie's K0 first), then k1
-    assert allocate([[1.0, 0.25], [0.0, 0.0]], flat, (3, 3), (2, 5), -1.0) == [[4, 3], [2, 2]]
+    assert allocate(at3([1.0, 0.25]), flat, (2, 5), -1.0) == [[4, 3], [2, 2]]
     dear = {w: [[10.0 * (w - 3), 0.1 * (w - 3)], [0.1 * (w - 3)] * 2] for w in range(2, 9)}
-    assert allocate([[1.0, 0.01], [0.0, 0.0]], dear, (3, 3), (2, 5), -9.5) == [[2, 5], [2, 2]]  # k0's step: 10 bits
+    assert allocate(at3([1.0, 0.01]), dear, (2, 5), -9.5) == [[2, 5], [2, 2]]  # k0's step: 10 bits
     # V of layer 1 pinned at 8: its 5 bits paid first, 2 left (k0 to 4); it never moves, however sensitive
-    assert allocate([[1.0, 0.0], [0.0, 5.0]], flat, (3, 3), (2, 5), 4.0, (1, 1, 8)) == [[4, 2], [2, 8]]
+    assert allocate(at3([1.0, 0.0], [0.0, 5.0]), flat, (2, 5), 4.0, (1, 1, 8)) == [[4, 2], [2, 8]]
+    # measured at 2 bits too: k1's step down costs 32x its 3-bit KL, k0's 4x; the one bit goes to k1, not to k0
+    assert allocate([{3: [1.0, 0.5], 2: [4.0, 16.0]}, {3: [0.0, 0.0]}], flat, (2, 5), -3.0) == [[2, 3], [2, 2]]
+    # k0's step to 3 measured no gain, its next one 0.75: both its bits go there (0.375 a bit), not to k1 (0.2)
+    assert allocate([{3: [1.0, 0.1], 2: [1.0, 0.3]}, {3: [0.0, 0.0]}], flat, (2, 5), -2.0) == [[4, 2], [2, 2]]
 
 
 def test_calibrate_codec_sets_each_tensors_width_by_its_sensitivity_and_cost_and_compact_then_uses_them(
@@ -293,14 +302,17 @@ def test_calibrate_codec_sets_each_tensors_width_by_its_sensitivity_and_cost_and
         sens, layers = report["sensitivity"], service.runner.num_layers
         cost = {int(w): [c["k"], c["v"]] for w, c in report["cost_bits"].items()}
         assert report["chunk_prefill"] == "lead" and report["top_k"] == [2, 1]  # both counts' sensitivities add
-        assert len(sens["k"]) == len(sens["v"]) == layers and sorted(cost) == [2, 3, 4, 5, 6, 8]
-        assert min(sens["k"] + sens["v"]) >= 0 and sum(sens["k"]) > 0  # a KL between two stores' outputs
+        assert sorted(cost) == [2, 3, 4, 5, 6, 8] and sorted(sens["k"]) == sorted(sens["v"]) == ["2", "3"]  # base, lo
+        every = [s for x in "kv" for s in sens[x].values()]
+        assert all(len(s) == layers for s in every) and min(map(min, every)) >= 0  # a KL between two stores' outputs
+        assert sum(sens["k"]["2"]) > sum(sens["k"]["3"]) > 0 and sens["v"]["2"][1] == sens["v"]["3"][1] == 0  # pinned
         for t in (0, 1):  # each width costs more than the one below it, on the sum over layers
             sums = [sum(cost[w][t]) for w in sorted(cost)]
             assert sums == sorted(sums) and len(set(sums)) == len(sums) and sums[1] == 0, sums
         assert report["check"] == {"tensor": "v", "layer": 1, "bits": 8} and spec.v_bits[1] == 8
         widths = [list(spec.k_bits), list(spec.v_bits)]
-        assert widths == allocate([sens["k"], sens["v"]], cost, (3, 3), (2, 6), 3.2 - report["base_bits"], (1, 1, 8))
+        measured_at = [{int(w): s for w, s in sens[x].items()} for x in "kv"]
+        assert widths == allocate(measured_at, cost, (2, 6), 3.2 - report["base_bits"], (1, 1, 8))
         spent = report["base_bits"] + sum(cost[w][t][l] for t, row in enumerate(widths) for l, w in enumerate(row))
         assert abs(report["bits_per_element"] - spent) < 1e-9 and spent <= 3.2
         assert min(spec.k_bits + spec.v_bits) == 2 and max(spec.k_bits) > 4  # the widths move both ways
