@@ -7,7 +7,7 @@ stored KV most). A KL between the two stores' outputs is ≥ 0 and grows with th
 KL against full prefill (the measure before this one) also moves with the error's first-order luck, up or down, and on
 ten questions that swamped most layers' effect (BENCHMARKS.md). Each tensor then takes a width in `--widths` (2..6):
 its cost at every width is measured on the chunks (every scale, sum and header counted), its sensitivity at the base
-widths and at the lowest (the step down to 2 bits measured 2.7–32× the 3-bit KL, not the 4× a model gives:
+widths and at the lowest (on dev 40–49 the step down to 2 bits multiplied it by 3–11, not by the 4 a model gives:
 BENCHMARKS.md), at any other width taken as the nearest measured one below's × 4^(m − w); from every tensor at the
 lowest width, the raise that saves the most sensitivity per bit goes next, as long as the mean stays under `max_bits`
 (`allocate`). Several passage counts (`--top-k 4,10`) add their sensitivities. K's symbols are chosen by error feedback
