@@ -216,11 +216,10 @@ class Decoder:
         if len(frame) != head + size:
             raise ValueError("frame length does not match its header")
         if kind & BYTES:  # scales.py: a float32 base, K's centers, then e and m a group
-            steps = scales.grid(np.frombuffer(frame, dtype=np.float32, count=1, offset=start)[0])
+            base = np.frombuffer(frame, dtype=np.float32, count=1, offset=start)[0]
             c = np.frombuffer(frame, dtype=np.int8, count=centers, offset=start + 4).reshape(h, 1, hd) if centers else None
             e, m = (np.frombuffer(frame, dtype=t, count=groups, offset=start + 4 + centers + i * groups).reshape(shape)
                     for i, t in enumerate((np.uint8, np.int8)))
-            lo, step = scales.values(steps, e, m, c)
         else:
             f16 = np.frombuffer(frame, dtype=np.float16, count=2 * groups, offset=start).astype(np.float32)
             lo, step = f16[:groups].reshape(shape), f16[groups:].reshape(shape)
@@ -229,18 +228,22 @@ class Decoder:
         if len(raw) != h * n * width:
             raise ValueError("frame payload has the wrong size")
         packed = np.frombuffer(raw, dtype=np.uint8).reshape(h, n, width)
-        if out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous():
-            if per_token:
-                (nibbles.per_token_wide if kind & WIDE else nibbles.per_token)(packed, lo[..., 0], step[..., 0],
-                                                                                out.numpy())
-            else:
-                (nibbles.per_channel_wide if kind & WIDE else nibbles.per_channel)(packed, lo, step, group, out.numpy())
+        err = np.empty(0, np.float32) if noise is None else noise.numpy()
+        on_cpu = out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
+        if on_cpu and kind & BYTES:  # scales, symbols and noise in one compiled call
+            nibbles.byte_frame(base, scales.OCTAVES, e, m, np.empty((0, 1, 0), np.int8) if c is None else c, packed,
+                               group, per_token, out.numpy(), err)
         else:
-            self._unpack(packed, lo, step, per_token, group, out)
+            if kind & BYTES:
+                lo, step = scales.values(scales.grid(base), e, m, c)
+            if on_cpu:
+                nibbles.frame(packed, lo, step, group, per_token, out.numpy(), err)
+            else:
+                self._unpack(packed, lo, step, per_token, group, out)
+                if noise is not None:
+                    nibbles.noise(step, per_token, hd, group, err)
         if kind & V_ROTATED:
             out.copy_(out @ self._rotation(hd, out.device).to(out.dtype))
-        if noise is not None:
-            nibbles.noise(step, per_token, hd, group, noise.numpy())
 
     @staticmethod
     def _unpack(packed: np.ndarray, lo: np.ndarray, step: np.ndarray, per_token: bool, group: int,

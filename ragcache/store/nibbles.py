@@ -67,6 +67,37 @@ def per_channel_wide(q, lo, step, group, out):  # pragma: no cover — compiled
                     dst[j] = np.float32(src[j]) * s[j] + a[j]
 
 
+@numba.njit(cache=True)
+def frame(packed, lo, step, group, by_token, out, err):  # pragma: no cover — compiled
+    """A frame's symbols to out (H, n, hd) float32, and its rounding noise (`noise`) into err (n,) float32 unless
+    that is empty: packed (H, n, hd/2), or (H, n, hd) in a WIDE frame; lo, step (H, n, 1) per token, else (H, blocks,
+    hd) per channel block of `group` tokens. One call a frame: the loops above, each compiled as it is."""
+    wide = packed.shape[2] == out.shape[2]
+    if by_token and wide:
+        per_token_wide(packed, lo[..., 0], step[..., 0], out)
+    elif by_token:
+        per_token(packed, lo[..., 0], step[..., 0], out)
+    elif wide:
+        per_channel_wide(packed, lo, step, group, out)
+    else:
+        per_channel(packed, lo, step, group, out)
+    if err.size:
+        noise(step, by_token, out.shape[2], group, err)
+
+
+@numba.njit(cache=True)  # no fastmath: the grid and the scales as the encoder computed them
+def byte_frame(base, octaves, e, m, c, packed, group, by_token, out, err):  # pragma: no cover — compiled
+    """`frame` for a frame with byte scales (scales.py): its float32 base, octaves (256,) float64
+    (scales._OCTAVES), e uint8 and m int8 (H, B, W) a group, c (H, 1, hd) int8 K centers or empty for V. The
+    grid is scales.grid's own arithmetic: float32(float64(base) · octave)."""
+    steps = np.empty(octaves.shape[0], np.float32)
+    for i in range(octaves.shape[0]):
+        steps[i] = np.float32(np.float64(base) * octaves[i])
+    lo, step = np.empty(e.shape, np.float32), np.empty(e.shape, np.float32)
+    byte_scales(e, m, c, steps, lo, step)
+    frame(packed, lo, step, group, by_token, out, err)
+
+
 @numba.njit(inline="always")
 def _dither(i):  # pragma: no cover — compiled
     """Group i's offset of lo in quarter steps: frac(i · golden ratio), float32 (scales.py); y − floor(y) is

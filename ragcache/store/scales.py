@@ -28,13 +28,13 @@ import torch
 
 PER_OCTAVE = 32
 TOP = 255  # the largest code
-_OCTAVES = np.exp2(np.arange(TOP + 1) / PER_OCTAVE)  # (256,) float64, read only
-_OCTAVES.flags.writeable = False
+OCTAVES = np.exp2(np.arange(TOP + 1) / PER_OCTAVE)  # (256,) float64, read only
+OCTAVES.flags.writeable = False
 
 
 def grid(base: float) -> np.ndarray:
     """(256,) float32 steps, ascending; the encoder and the decoder compute it alike from the stored base."""
-    return (np.float64(np.float32(base)) * _OCTAVES).astype(np.float32)
+    return (np.float64(np.float32(base)) * OCTAVES).astype(np.float32)
 
 
 def base_for(largest_step: float) -> np.float32:

@@ -250,8 +250,9 @@ def test_a_frame_damaged_in_memory_does_not_decode(name):
 @pytest.mark.parametrize("name", ["compact-k3v3", "compact-k3v2+g16+r", "compact-k3v2+g16+r+b", "compact-k3v3+b",
                                   "compact-k3v3+k0=6+v1=8+g16+b"])
 def test_the_cpu_unpacking_equals_the_torch_one_the_gpu_runs(name):
-    """A contiguous float32 output is unpacked by numba in one pass; any other (CUDA's, or a strided view
-    here) by torch. Both give the same floats, for every frame kind, a short last K block included."""
+    """A contiguous float32 output is unpacked by numba in one compiled call a frame; any other (CUDA's, or a
+    strided view here) by torch. Both give the same floats and report the same rounding noise, for every frame
+    kind, a short last K block included."""
     from ragcache.store.compact import Decoder, encode_frames
 
     k, v = torch.randn(2, 3, 37, 8), torch.randn(2, 3, 37, 8)
@@ -259,10 +260,12 @@ def test_the_cpu_unpacking_equals_the_torch_one_the_gpu_runs(name):
     decoder = Decoder()
     for frame, per_token in zip(frames, [False, True] * 2):
         fast, slow = torch.empty(3, 37, 8), torch.empty(3, 8, 37).transpose(1, 2)  # the second not contiguous
-        decoder.frame_into(frame, fast, per_token)
-        decoder.frame_into(frame, slow, per_token)
+        noise = torch.full((2, 37), -1.0)
+        decoder.frame_into(frame, fast, per_token, noise[0])
+        decoder.frame_into(frame, slow, per_token, noise[1])
         assert torch.allclose(fast, slow, rtol=1e-6, atol=1e-6)
         assert fast.abs().max() > 0
+        assert torch.equal(noise[0], noise[1]) and (noise > 0).all()
 
 
 @pytest.mark.parametrize("name", ["compact", "compact-k3v3+k16:30+L1+g96+b", "compact-k3v3+k16:30+L1+v1=8+k18=6+g96+b"])
