@@ -1,29 +1,33 @@
-"""torch's OpenMP workers spin briefly (`blend.openmp`): set by any use of blend before torch starts loading, a value
-set outside kept; importing the CLI loads no torch, so its `main` loads torch through blend."""
+"""What `blend` sets before torch starts loading, a value set outside kept: how torch's OpenMP workers spin
+(`blend.openmp`) and huge pages for its CPU allocator (`blend.hugepages`); importing the CLI loads no torch, so its
+`main` loads torch through blend."""
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 from blend import openmp
 
-# prints GOMP_SPINCOUNT as it is when `import torch` starts (libgomp reads it as torch loads), or "no torch"
+# prints the variable as it is when `import torch` starts (libgomp and c10 read theirs once), or "no torch"
 AT_TORCH = """import os, sys
 class Watch:
     def find_spec(self, name, path=None, target=None):
         if name == "torch" and not hasattr(self, "seen"):
             self.seen = True
-            print(os.environ.get("GOMP_SPINCOUNT"))
+            print(os.environ.get({var!r}))
 sys.meta_path.insert(0, Watch())
-{}
+{code}
 if "torch" not in sys.modules:
     print("no torch")
 """
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def _run(code: str, **env) -> str:
-    base = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
-    return subprocess.run([sys.executable, "-c", AT_TORCH.format(code)], capture_output=True, text=True, check=True,
-                          env={**base, **env}).stdout.strip()
+def _run(code: str, var: str = "GOMP_SPINCOUNT", **env) -> str:
+    base = {k: v for k, v in os.environ.items() if k != var}
+    return subprocess.run([sys.executable, "-c", AT_TORCH.format(var=var, code=code)], capture_output=True, text=True,
+                          check=True, env={**base, **env}).stdout.strip()
 
 
 def test_blend_sets_the_spin_before_torch_starts_loading_and_keeps_a_value_set_outside():
@@ -46,3 +50,22 @@ def test_the_spin_count_follows_the_cpus_vendor(tmp_path):
 
 def test_importing_the_cli_loads_no_torch():
     assert _run("import api.cli") == "no torch"
+
+
+# a fresh 16 MB tensor written once; prints how many kB of the process are in huge pages after it
+TOUCH = """import re, blend, torch
+x = torch.empty(16 << 20, dtype=torch.uint8).fill_(1)
+print(re.search(r"AnonHugePages:\\s+(\\d+)", open("/proc/self/smaps_rollup").read()).group(1))"""
+
+
+def test_blend_asks_for_huge_pages_before_torch_loads_and_a_fresh_tensor_gets_them_where_the_kernel_offers():
+    var = "THP_MEM_ALLOC_ENABLE"
+    assert _run("import blend", var) == "1"
+    assert _run("import blend", var, THP_MEM_ALLOC_ENABLE="0") == "0"
+    assert _run("import torch", var) == "None"
+    env = {k: v for k, v in os.environ.items() if k != var}
+    huge = lambda **e: int(subprocess.run([sys.executable, "-c", TOUCH], capture_output=True, text=True, check=True,  # noqa: E731
+                                          env={**env, **e}).stdout)
+    offered = re.search(r"\[(\w+)\]", THP.read_text()).group(1) != "never" if THP.exists() else False
+    assert (huge() >= 8 << 10) == offered  # at least half the tensor in 2 MB pages, where the kernel has them
+    assert huge(THP_MEM_ALLOC_ENABLE="0") < 8 << 10 or re.search(r"\[always\]", THP.read_text())
