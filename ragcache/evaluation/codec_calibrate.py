@@ -22,6 +22,7 @@ eval` picks it, unless RAGCACHE_CHUNK_LEAD names one). K's token blocks and V's 
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -52,13 +53,24 @@ class _Given:
         return self.chunks
 
 
-def _mixed(exact: ChunkKV, k_pre: torch.Tensor, coded: ChunkKV | None, layer: int | None, tensor: int = 0
-           ) -> ChunkKV:
-    """The chunk with K before RoPE, exact but for `tensor` (0: K, 1: V) of `layer`, which is the codec's."""
-    k, v = k_pre.clone(), exact.v.clone()
-    if layer is not None:
-        (k if tensor == 0 else v)[layer] = (coded.k if tensor == 0 else coded.v)[layer]
-    return ChunkKV(exact.token_ids, k, v, exact.start, exact.context, lossless=False, k_pre_rope=True)
+def _pre_rope(exact: ChunkKV, k_pre: torch.Tensor) -> ChunkKV:
+    """The chunk with K before RoPE, as a decoded compact chunk comes: its own K and V tensors."""
+    return ChunkKV(exact.token_ids, k_pre.clone(), exact.v.clone(), exact.start, exact.context, lossless=False,
+                   k_pre_rope=True)
+
+
+@contextmanager
+def _one_coded(chunks: list[ChunkKV], coded: list[ChunkKV], layer: int, tensor: int):
+    """`chunks` exact but for `tensor` (0: K, 1: V) of `layer`, which is the codec's, until the block ends: one layer
+    swapped in place and back, not every chunk's KV copied per measurement."""
+    held = [(c.k if tensor == 0 else c.v)[layer].clone() for c in chunks]  # (Hkv, n, hd) each
+    try:
+        for c, d in zip(chunks, coded):
+            (c.k if tensor == 0 else c.v)[layer] = (d.k if tensor == 0 else d.v)[layer]
+        yield chunks
+    finally:
+        for c, h in zip(chunks, held):
+            (c.k if tensor == 0 else c.v)[layer] = h
 
 
 def _reuse_tf(service, chunks, suffix, cfg, full) -> torch.Tensor:
@@ -145,12 +157,13 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: list[int], 
                                              if w != base[t] else 0 for l in range(layers)] for t in (0, 1)])
             total += len(to_bytes(entry))
             elements += 2 * c.k.numel()
-        exact = _reuse_tf(service, [_mixed(c, k, None, None) for c, k in zip(chunks, pre)], suffix, cfg, full)
+        mixed = [_pre_rope(c, k) for c, k in zip(chunks, pre)]
+        exact = _reuse_tf(service, mixed, suffix, cfg, full)
         for p in probes:
             for t, l in ((t, l) for t in (0, 1) for l in range(layers) if p == base or p[t] != base[t]):
                 if check is None or (t, l) != check[:2]:  # the pinned tensor never moves: not measured
-                    out = _reuse_tf(service, [_mixed(c, k, d, l, t) for c, k, d in zip(chunks, pre, coded[p])],
-                                    suffix, cfg, full)
+                    with _one_coded(mixed, coded[p], l, t):
+                        out = _reuse_tf(service, mixed, suffix, cfg, full)
                     m = min(len(exact), len(out))
                     sensitivity[t][p[t]][l] += float(kl(exact[:m], out[:m]).mean()) / len(items)
         progress(f"question {first + n % len(items)} at {len(ids)} passages: done")
