@@ -88,7 +88,7 @@ def frame(packed, lo, step, group, by_token, out, err):  # pragma: no cover — 
 @numba.njit(cache=True)  # no fastmath: the grid and the scales as the encoder computed them
 def byte_frame(base, octaves, e, m, c, packed, group, by_token, out, err):  # pragma: no cover — compiled
     """`frame` for a frame with byte scales (scales.py): its float32 base, octaves (256,) float64
-    (scales._OCTAVES), e uint8 and m int8 (H, B, W) a group, c (H, 1, hd) int8 K centers or empty for V. The
+    (scales.OCTAVES), e uint8 and m int8 (H, B, W) a group, c (H, 1, hd) int8 K centers or empty for V. The
     grid is scales.grid's own arithmetic: float32(float64(base) · octave)."""
     steps = np.empty(octaves.shape[0], np.float32)
     for i in range(octaves.shape[0]):
