@@ -27,7 +27,8 @@ _BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": {"oneOf": [{"type": "array", "items": _DOC, "minItems": 1},
                                               {"type": "object", "required": ["documents"],
                                                "properties": {"documents": {"type": "array", "items": _DOC,
-                                                                            "minItems": 1}}}]}},
+                                                                            "minItems": 1}},
+                                               "additionalProperties": False}]}},
     "application/x-ndjson": {"schema": {"type": "string", "description": "one JSON document a line"}},
     "multipart/form-data": {"schema": {"type": "object", "properties": {"files": {
         "type": "array", "items": {"type": "string", "format": "binary"},

@@ -36,7 +36,9 @@ def json_problem(e: BaseException | None) -> str | None:
 
 
 def parse_body(raw: bytes, content_type: str) -> list[Document]:
-    """The body's documents, or Invalid naming the first problem (field "body", "line N", "documents.N.text")."""
+    """The body's documents, or Invalid naming the first problem (field "body", "line N", "documents.N.text", or a
+    key of a {"documents": [...]} object other than "documents": were it ignored, `"namespace": "x"` there would
+    put the documents in the default namespace without a word)."""
     try:
         text = raw.decode()
     except UnicodeDecodeError:
@@ -46,6 +48,10 @@ def parse_body(raw: bytes, content_type: str) -> list[Document]:
             data = json.loads(text)
         except (ValueError, RecursionError) as e:
             raise Invalid(f"the body is not usable JSON ({json_problem(e)})", "body") from None
+        if isinstance(data, dict) and (extra := sorted(set(data) - {"documents"})):
+            raise Invalid(f'{extra[0]}: not a field of the body, which holds only "documents"; a namespace or any '
+                          "other option is given apart from it (?namespace= over HTTP, --namespace on the command "
+                          "line)", extra[0])
         rows = data.get("documents") if isinstance(data, dict) else data
     else:
         rows = []

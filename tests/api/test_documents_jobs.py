@@ -59,10 +59,12 @@ def test_jsonl_upload_without_precompute_and_bad_bodies(api_server):
                (b'[{"id": 1}]', "application/json", "text"),
                (b"[]", "application/json", "non-empty"),
                (b'[{"id": "a", "text": "x"}, {"id": "a", "text": "y"}]', "application/json", "repeat"),
-               (b"\xff\xfe", "application/json", "UTF-8")]
+               (b"\xff\xfe", "application/json", "UTF-8"),
+               (b'{"documents": [{"id": "nb", "text": "x"}], "namespace": "jsonl"}', "application/json", "?namespace=")]
         for raw, ctype, words in bad:
             r = c.post("/v1/documents", params={"namespace": "jsonl"}, content=raw, headers={"content-type": ctype})
             assert r.status_code == 422 and words in r.json()["error"]["message"], (raw, r.text)
+        assert c.get("/v1/documents/nb", params={"namespace": "jsonl"}).status_code == 404  # nothing ingested
         assert c.get("/v1/jobs/999999").status_code == 404
         assert c.get("/v1/jobs/not-a-number").status_code == 422
         r = c.post("/v1/jobs/precompute", json={"namespace": "jsonl"})
