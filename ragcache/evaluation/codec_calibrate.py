@@ -53,10 +53,11 @@ class _Given:
         return self.chunks
 
 
-def _pre_rope(exact: ChunkKV, k_pre: torch.Tensor) -> ChunkKV:
-    """The chunk with K before RoPE, as a decoded compact chunk comes: its own K and V tensors."""
-    return ChunkKV(exact.token_ids, k_pre.clone(), exact.v.clone(), exact.start, exact.context, lossless=False,
-                   k_pre_rope=True)
+def _pre_rope(exact: ChunkKV, inv_freq: torch.Tensor) -> ChunkKV:
+    """The chunk with K rotated back to before RoPE, as a decoded compact chunk comes, and its own copy of V: K and V
+    tensors of its own, which `_one_coded` swaps layers in."""
+    k = rotate_k(exact.k, -torch.arange(exact.start, exact.start + len(exact)), inv_freq)  # a new tensor
+    return ChunkKV(exact.token_ids, k, exact.v.clone(), exact.start, exact.context, lossless=False, k_pre_rope=True)
 
 
 @contextmanager
@@ -145,19 +146,18 @@ def calibrate_codec(service, dataset, first: int, count: int, top_k: list[int], 
         cfg = EvalConfig(dataset, top_k=len(ids), max_new_tokens=16)
         chunks = [compute_chunk(runner, x, behind) for x in ids]
         full = run_mode(service, _Given(chunks), list(range(len(chunks))), suffix, Full(), cfg)
-        coded, pre = {p: [] for p in probes}, []
+        coded, mixed = {p: [] for p in probes}, []
         for c in chunks:
             entry = encode(c, "float32", base_spec, runner.inv_freq)
             at = {base: entry} | {(w, w): encode(c, "float32", u, runner.inv_freq) for w, u in specs.items()}
             for p in probes:
                 coded[p].append(decode(at[p], torch.float32, torch.device("cpu")))
-            pre.append(rotate_k(c.k, -torch.arange(c.start, c.start + len(c)), runner.inv_freq))
+            mixed.append(_pre_rope(c, runner.inv_freq))
             for w in specs:
                 cost_of[w] += torch.tensor([[len(at[w, w].frames[2 * l + t]) - len(entry.frames[2 * l + t])
                                              if w != base[t] else 0 for l in range(layers)] for t in (0, 1)])
             total += len(to_bytes(entry))
             elements += 2 * c.k.numel()
-        mixed = [_pre_rope(c, k) for c, k in zip(chunks, pre)]
         exact = _reuse_tf(service, mixed, suffix, cfg, full)
         for p in probes:
             for t, l in ((t, l) for t in (0, 1) for l in range(layers) if p == base or p[t] != base[t]):
