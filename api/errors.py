@@ -103,7 +103,8 @@ def install(app: FastAPI) -> None:
         loc = list(first.get("loc", ()))
         loc = [str(p) for p in (loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc)]
         param = ".".join(loc) or None
-        return response(422, f"{param or 'request'}: {first.get('msg', 'invalid')}", param)
+        why = first.get("msg", "invalid").removeprefix("Value error, ")  # pydantic's prefix for our ValueErrors
+        return response(422, f"{param or 'request'}: {why}", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_r: Request, e: StarletteHTTPException):

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
 from ragcache.config import CHOICES, MODES
-from ragcache.corpus.body import DOC_ID_CHARS, storable
+from ragcache.corpus.body import DOC_ID_CHARS, storable, valid_text
 
 Mode = Literal[MODES]  # type: ignore[valid-type]
 Retrieval = Literal[CHOICES["retrieval"]]  # type: ignore[valid-type]
@@ -86,19 +86,32 @@ class GenerateResponse(BaseModel):
     explain: dict | None = None
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+TEXT_PARTS = {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+    "type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}}, "required": ["type", "text"]}}]}
+
+
+def _joined(content):
+    """OpenAI's list of content parts → their text, joined; text parts only, or a 422 names the first other one."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise ValueError(f'part {i} must be an object {{"type": "text", "text": "..."}}')
+        if (kind := part.get("type")) != "text":
+            raise ValueError(f"part {i} is of type {kind!r}: this server reads text parts only")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"part {i}: its text must be a string")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    # a string or text parts, read as one string; it reaches the tokenizer: no lone surrogate
+    content: Annotated[str, BeforeValidator(_joined), AfterValidator(valid_text), WithJsonSchema(TEXT_PARTS)]
     name: str | None = None
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class RagOptions(Strict):
@@ -119,7 +132,8 @@ class StreamOptions(BaseModel):
 
 
 class ChatRequest(BaseModel):
-    """OpenAI's chat.completions body; unknown fields are ignored as OpenAI-compatible servers do."""
+    """OpenAI's chat.completions body; unknown fields are ignored as OpenAI-compatible servers do, but for RAG
+    options: those go in `rag`, and one at the top level is a 422 naming it."""
 
     model_config = ConfigDict(extra="ignore")
     model: str = Field(min_length=1)
@@ -135,11 +149,23 @@ class ChatRequest(BaseModel):
     ignore_eos: bool = False
     rag: RagOptions = Field(default_factory=RagOptions)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _rag_options_in_rag(cls, data):
+        """Other unknown fields are ignored, but not a RAG option at the top level: ignored, `"namespace": "x"`
+        there would answer from the default namespace without a word."""
+        misplaced = sorted(set(data) & (set(RagOptions.model_fields) - set(cls.model_fields))) \
+            if isinstance(data, dict) else []
+        if misplaced:
+            raise ValueError(f'"{misplaced[0]}" is a RAG option: it goes inside "rag" ({{"rag": {{"{misplaced[0]}": '
+                             '...}}), and at the top level it would be ignored')
+        return data
+
     @model_validator(mode="after")
     def _last_is_user(self):
         if self.messages[-1].role != "user":
             raise ValueError("the last message must be the user's question")
-        if not self.messages[-1].text().strip():
+        if not self.messages[-1].content.strip():
             raise ValueError("the last user message is empty")
         return self
 

@@ -40,15 +40,15 @@ def _bounded(req: ChatRequest, settings) -> None:
     if len(req.messages) > settings.max_messages:
         raise ApiError(413, f"{len(req.messages)} messages is over this server's limit of {settings.max_messages} "
                             "(RAGCACHE_MAX_MESSAGES)", "messages")
-    chars = sum(len(m.text()) for m in req.messages)
+    chars = sum(len(m.content) for m in req.messages)
     if chars > settings.max_message_chars:
         raise ApiError(413, f"the messages hold {chars} characters, over this server's limit of "
                             f"{settings.max_message_chars} (RAGCACHE_MAX_MESSAGE_CHARS)", "messages")
 
 
 def _ask(req: ChatRequest, who: Caller) -> Ask:
-    system = [m.text() for m in req.messages if m.role in ("system", "developer")]
-    turns = [(m.role, m.text()) for m in req.messages if m.role in ("user", "assistant")]
+    system = [m.content for m in req.messages if m.role in ("system", "developer")]
+    turns = [(m.role, m.content) for m in req.messages if m.role in ("user", "assistant")]
     *history, (_, query) = turns
     if history and history[0][0] != "user":
         raise ApiError(400, "the conversation must start with a user message (after any system message)",

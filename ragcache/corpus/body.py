@@ -17,11 +17,30 @@ MISSING = object()  # a field the body left out
 NUL = "holds a NUL character, which cannot be stored"
 
 
+def unpaired(v: str) -> str | None:
+    """What is wrong with `v` as text, or None: JSON's \\ud800 escapes let a lone UTF-16 surrogate into a Python
+    string, which no UTF-8 column, file or tokenizer takes (a 500 or a tokenizer's internals, were it let through)."""
+    try:
+        v.encode()
+    except UnicodeEncodeError as e:
+        return (f"holds a lone UTF-16 surrogate (\\u{ord(v[e.start]):04x} at character {e.start}), which is not a "
+                "character: send the text as valid Unicode")
+    return None
+
+
+def valid_text(v: str) -> str:
+    """A string that is text: no lone surrogate (pydantic's AfterValidator)."""
+    if (why := unpaired(v)) is not None:
+        raise ValueError(why)
+    return v
+
+
 def storable(v: str) -> str:
-    """A string that reaches SQL: PostgreSQL's text cannot hold NUL (a 500 there, were it let through)."""
+    """A string that reaches SQL: text, and no NUL (PostgreSQL's text cannot hold one: a 500 there, were it let
+    through)."""
     if "\x00" in v:
         raise ValueError(NUL)
-    return v
+    return valid_text(v)
 
 
 def json_problem(e: BaseException | None) -> str | None:
@@ -81,7 +100,7 @@ def parse_body(raw: bytes, content_type: str) -> list[Document]:
 def problem(external_id: object, title: object, text: object) -> tuple[str, str] | None:
     """(field, what is wrong with it) for a document SQL cannot take as it is; None when it can. Its id a string
     or an integer (written as one), non-blank, up to DOC_ID_CHARS; its title a string; its text a non-empty
-    string; none holding NUL. MISSING: a field the request left out."""
+    string; none holding NUL or a lone surrogate. MISSING: a field the request left out."""
     if external_id is MISSING:
         return "id", "is required"
     if isinstance(external_id, bool) or not isinstance(external_id, str | int):
@@ -98,6 +117,8 @@ def problem(external_id: object, title: object, text: object) -> tuple[str, str]
             return field, "must be a string"
         if "\x00" in value:
             return field, NUL
+        if (why := unpaired(value)) is not None:
+            return field, why
     if not text:
         return "text", "must not be empty"
     return None

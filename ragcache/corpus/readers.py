@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
+from .body import problem
 from .chunking import Document
 from .formats import FormatError, read_blocks
 
@@ -63,7 +64,15 @@ def read_file(name: str, data: bytes) -> list[Document]:
             raise FormatError("holds no documents")
         return docs
     title, blocks = read_blocks(name, data)
-    return [Document.of_blocks(name, title, blocks)]
+    return [_storable(Document.of_blocks(name, title, blocks), "its text")]
+
+
+def _storable(doc: Document, where: str) -> Document:
+    """`doc`, or a FormatError naming `where` and what SQL cannot take (body.problem: a NUL, a lone surrogate, an
+    id past its column)."""
+    if (wrong := problem(doc.external_id, doc.title, doc.text)) is not None:
+        raise FormatError(f"{where}: {' '.join(wrong)}")
+    return doc
 
 
 def _read_jsonl(name: str, text: str) -> list[Document]:
@@ -77,7 +86,7 @@ def _read_jsonl(name: str, text: str) -> list[Document]:
             raise FormatError(f"line {n}: not JSON ({e.msg})") from None
         if not isinstance(row, dict) or not isinstance(row.get("text"), str) or "id" not in row:
             raise FormatError(f'line {n}: each line needs "id" and a string "text"')
-        docs.append(Document(str(row["id"]), str(row.get("title") or ""), row["text"]))
+        docs.append(_storable(Document(str(row["id"]), str(row.get("title") or ""), row["text"]), f"line {n}"))
     return docs
 
 
@@ -86,8 +95,8 @@ def _read_musique(name: str, text: str) -> list[Document]:
         data = json.loads(text)
         ctxs = [c for item in data for c in item["ctxs"]]
         docs = {}
-        for c in ctxs:
-            doc = Document("", str(c.get("title") or ""), str(c["text"]))
+        for i, c in enumerate(ctxs):
+            doc = _storable(Document("ctx", str(c.get("title") or ""), str(c["text"])), f"passage {i}")
             docs.setdefault(doc.text_hash, Document(f"ctx-{doc.text_hash[:16]}", doc.title, doc.text))
         return list(docs.values())
     except (ValueError, TypeError, KeyError, AttributeError) as e:

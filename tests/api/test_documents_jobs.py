@@ -60,6 +60,7 @@ def test_jsonl_upload_without_precompute_and_bad_bodies(api_server):
                (b"[]", "application/json", "non-empty"),
                (b'[{"id": "a", "text": "x"}, {"id": "a", "text": "y"}]', "application/json", "repeat"),
                (b"\xff\xfe", "application/json", "UTF-8"),
+               (b'[{"id": "nb", "text": "a \\ud800 b"}]', "application/json", "lone UTF-16 surrogate"),  # was a 500
                (b'{"documents": [{"id": "nb", "text": "x"}], "namespace": "jsonl"}', "application/json", "?namespace=")]
         for raw, ctype, words in bad:
             r = c.post("/v1/documents", params={"namespace": "jsonl"}, content=raw, headers={"content-type": ctype})

@@ -72,3 +72,30 @@ def test_errors_reach_the_client_as_openai_errors(client, model, api_server):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model=model, messages=_messages(api_server),
                                        extra_body={"rag": {"namespace": "nothing-here"}})
+
+
+def test_a_rag_option_at_the_top_level_a_non_text_part_and_a_lone_surrogate_are_422s_naming_them(client, model,
+                                                                                                   api_server):
+    """Unknown fields are ignored, as OpenAI-compatible servers do, but a RAG option outside `rag` would answer from
+    the default namespace without a word: a 422 that says where it goes. An image part, or text JSON escapes cut
+    into half a surrogate pair, is named too, not a tokenizer's internals."""
+    for extra in ({"namespace": "musique"}, {"top_k": 2, "rag": {"namespace": "musique"}}):
+        with pytest.raises(openai.UnprocessableEntityError) as bad:
+            client.chat.completions.create(model=model, messages=_messages(api_server), extra_body=extra)
+        key = next(k for k in extra if k != "rag")
+        assert f'"{key}" is a RAG option: it goes inside "rag"' in bad.value.body["message"]
+    image = [{"type": "text", "text": "who?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    with pytest.raises(openai.UnprocessableEntityError) as bad:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": image}], extra_body=RAG)
+    assert bad.value.body["param"] == "messages.0.content" and "part 1 is of type 'image_url'" in bad.value.body["message"]
+    with api_server.client() as c:  # the client library cannot send one: JSON escapes can
+        for raw, param in ((b'[{"role": "user", "content": "who \\ud800?"}]', "messages.0.content"),
+                           (b'[{"role": "system", "content": [{"type": "text", "text": "\\udc00"}]}, '
+                            b'{"role": "user", "content": "who?"}]', "messages.0.content")):
+            r = c.post("/v1/chat/completions", content=b'{"model": "%s", "messages": %s}' % (model.encode(), raw),
+                       headers={"content-type": "application/json"})
+            err = r.json()["error"]
+            assert r.status_code == 422 and "lone UTF-16 surrogate" in err["message"], r.text
+            assert err["param"] == param, err
+    assert client.chat.completions.create(model=model, messages=_messages(api_server), max_tokens=2,
+                                          extra_body=RAG).choices[0].message.content  # and the server still answers

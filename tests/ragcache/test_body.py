@@ -39,6 +39,9 @@ def test_a_list_an_object_and_json_lines_give_the_same_documents():
     (b'[{"id": 1, "text": "x"}, {"id": 2, "title": 3, "text": "y"}]', JSON, "documents.1.title", "must be a string"),
     (b'[{"id": 1, "text": ["x"]}]', JSON, "documents.0.text", "must be a string"),
     (b'[{"id": 1, "text": "x\\u0000"}]', JSON, "documents.0.text", "NUL"),
+    (b'[{"id": "a\\ud800", "text": "x"}]', JSON, "documents.0.id", "lone UTF-16 surrogate (\\ud800 at character 1)"),
+    (b'[{"id": 1, "title": "\\udfff", "text": "x"}]', JSON, "documents.0.title", "surrogate"),
+    (b'{"id": 1, "text": "ok \\ud83d"}', LINES, "documents.0.text", "surrogate"),  # half of a pair
     (b'[{"id": 1, "text": ""}]', JSON, "documents.0.text", "must not be empty"),
     (b'[{"id": 1, "text": "x"}, {"id": "1", "text": "y"}]', JSON, "documents.id", "repeat"),
 ])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import threading
 
@@ -58,6 +59,15 @@ def test_readers_and_their_errors(tmp_path):
     mus = tmp_path / "m.json"
     mus.write_text(json.dumps([{"question": "q", "answers": ["a"], "ctxs": [{"title": "", "text": "same"}] * 2}]))
     assert len(read_documents(mus).documents) == 1  # the same passage twice is one document
+    # what SQL cannot store is named where it is (was a traceback, or a 500 over HTTP): a lone surrogate, a NUL
+    (tmp_path / "s.jsonl").write_text('{"id": 1, "text": "x"}\n{"id": 2, "text": "half a pair \\ud83d"}\n')
+    (tmp_path / "n.json").write_text(json.dumps([{"question": "q", "answers": [], "ctxs": [{"text": "ok"},
+                                                                                        {"text": "a\x00b"}]}]))
+    (tmp_path / "n.txt").write_bytes(b"a\x00b")
+    for name, where in (("s.jsonl", "line 2: text holds a lone UTF-16 surrogate (\\ud83d at character 12)"),
+                        ("n.json", "passage 1: text holds a NUL"), ("n.txt", "its text: text holds a NUL")):
+        with pytest.raises(UserError, match=re.escape(f"{name}: {where}")):
+            read_documents(tmp_path / name)
     with pytest.raises(UserError, match="not found"):
         read_documents(tmp_path / "nope.jsonl")
 
