@@ -64,14 +64,14 @@ def read_file(name: str, data: bytes) -> list[Document]:
             raise FormatError("holds no documents")
         return docs
     title, blocks = read_blocks(name, data)
-    return [_storable(Document.of_blocks(name, title, blocks), "its text")]
+    return [_storable(Document.of_blocks(name, title, blocks))]
 
 
-def _storable(doc: Document, where: str) -> Document:
-    """`doc`, or a FormatError naming `where` and what SQL cannot take (body.problem: a NUL, a lone surrogate, an
-    id past its column)."""
+def _storable(doc: Document, where: str | None = None) -> Document:
+    """`doc`, or a FormatError naming what SQL cannot take (body.problem: a NUL, a lone surrogate, an id past its
+    column), after `where` in a file of many documents."""
     if (wrong := problem(doc.external_id, doc.title, doc.text)) is not None:
-        raise FormatError(f"{where}: {' '.join(wrong)}")
+        raise FormatError(" ".join(wrong) if where is None else f"{where}: {' '.join(wrong)}")
     return doc
 
 
@@ -96,7 +96,7 @@ def _read_musique(name: str, text: str) -> list[Document]:
         ctxs = [c for item in data for c in item["ctxs"]]
         docs = {}
         for i, c in enumerate(ctxs):
-            doc = _storable(Document("ctx", str(c.get("title") or ""), str(c["text"])), f"passage {i}")
+            doc = _storable(Document("ctx", str(c.get("title") or ""), str(c["text"])), f"passage {i}")  # id below
             docs.setdefault(doc.text_hash, Document(f"ctx-{doc.text_hash[:16]}", doc.title, doc.text))
         return list(docs.values())
     except (ValueError, TypeError, KeyError, AttributeError) as e:

@@ -65,7 +65,7 @@ def test_readers_and_their_errors(tmp_path):
                                                                                         {"text": "a\x00b"}]}]))
     (tmp_path / "n.txt").write_bytes(b"a\x00b")
     for name, where in (("s.jsonl", "line 2: text holds a lone UTF-16 surrogate (\\ud83d at character 12)"),
-                        ("n.json", "passage 1: text holds a NUL"), ("n.txt", "its text: text holds a NUL")):
+                        ("n.json", "passage 1: text holds a NUL"), ("n.txt", "text holds a NUL")):
         with pytest.raises(UserError, match=re.escape(f"{name}: {where}")):
             read_documents(tmp_path / name)
     with pytest.raises(UserError, match="not found"):
