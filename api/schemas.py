@@ -86,8 +86,9 @@ class GenerateResponse(BaseModel):
     explain: dict | None = None
 
 
-TEXT_PARTS = {"anyOf": [{"type": "string"}, {"type": "array", "items": {
-    "type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}}, "required": ["type", "text"]}}]}
+TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+             "required": ["type", "text"]}
+TEXT_PARTS = {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}]}  # what `content` takes
 
 
 def _joined(content):
