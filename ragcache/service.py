@@ -23,6 +23,7 @@ from .corpus.ingest import IngestReport
 from .jobs.launcher import Jobs
 from .parts import Parts
 from .serving.generation import Ask, Generation
+from .serving.policy import within_depth
 from .serving.recent import RequestLog
 
 __all__ = ["Ask", "ChunkHit", "RagCache"]
@@ -47,6 +48,7 @@ class RagCache(Parts):
         """Load every part a request touches, so that request timings hold no one-time work."""
         _ = self.runner, self.prefix, self.stops, self.store, self.embedder, self.index
         _ = self.kv_codec  # a codec that cannot be built (`+f` never calibrated) fails here, not in a request
+        within_depth(self.settings, self.runner.num_layers)  # so does a probe set deeper than the model
         if namespace is not None and (self.settings.chunk_prefill != "lead" or self.corpus.counts(namespace)):
             self.chunk_prefix(namespace)  # a lead is picked once the namespace holds chunks
         warm_decode(self.runner, self.kv_cache_dtype)

@@ -164,12 +164,23 @@ def dataset_lead(service, others: list[dict], how: str = "lead") -> str | None:
     return texts[pick_lead(texts, sizes, service.embedder.embed)]
 
 
+def _probes_within_depth(cfg: EvalConfig, layers: int) -> None:
+    """UserError for a probe asked to run through more layers than the model has: it would run through all of them,
+    measured under a label that says otherwise."""
+    asked = {"--probe-layers": cfg.probe_layers if "probe" in cfg.modes else [],
+             "--adaptive-layers": [cfg.adaptive_layers] if "adaptive" in cfg.modes else []}
+    for flag, depths in asked.items():
+        if too_deep := [n for n in depths if n > layers]:
+            raise UserError(f"{flag} {too_deep[0]}: this model has {layers} layers (0: all of them)")
+
+
 def evaluate(service, cfg: EvalConfig, progress: bool = True) -> dict:
     every = load_dataset(cfg.dataset, None)
     data = every[: cfg.limit] if cfg.limit else every
     if not data:
         raise UserError(f"{cfg.dataset} holds no questions")
     modes = policies(cfg)
+    _probes_within_depth(cfg, service.runner.num_layers)
     tok = service.tokenizer
     per_question = []
     with tempfile.TemporaryDirectory(prefix="ragcache-eval-") as tmp:

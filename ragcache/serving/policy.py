@@ -43,6 +43,13 @@ def fixed_policy(mode: str, ratio: float | None, k: int | None, s: Settings, pro
         raise UserError(str(e)) from None
 
 
+def within_depth(s: Settings, layers: int) -> None:
+    """UserError for a probe set to run through more layers than the model has: it would run through all of them,
+    under a label that says otherwise."""
+    if s.probe_layers > layers:
+        raise UserError(f"setting probe_layers: {s.probe_layers} is past this model's {layers} layers (0: all of them)")
+
+
 def policy_for(parts, mode: str, ratio: float | None = None, k: int | None = None, target_kl: float | None = None):
     """A selection policy. `auto` serves the mode `ragcache calibrate` measured fastest within `target_kl`
     (else within the calibration's own target) exactly as measured, APE and probe depth included;
@@ -67,6 +74,8 @@ def policy_for(parts, mode: str, ratio: float | None = None, k: int | None = Non
             mode = default.mode
             ratio = default.param if mode in RATIO_MODES else ratio
             k = int(default.param) if mode == "epic" and default.param is not None else k
+    if mode == "probe" and asked == "probe":
+        within_depth(s, parts.runner.num_layers)
     policy = fixed_policy(mode, ratio, k, s, probe_layers=mode == "probe" and asked == "probe")
     ape = _ape(parts, None if ape_named else default)
     return Reweighted(policy, ape) if ape.active and policy.reads_chunk_kv else policy

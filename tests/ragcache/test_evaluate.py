@@ -14,7 +14,7 @@ from blend import A3, Adaptive, BlendQ, CacheBlend, Epic, Full, Probe, Reuse
 from blend.reweight import Reweight, Reweighted
 from blend.labels import parse
 from ragcache.config import Settings
-from ragcache.evaluation.evaluate import EvalConfig, load_dataset, policies
+from ragcache.evaluation.evaluate import EvalConfig, evaluate, load_dataset, policies
 from ragcache.evaluation.results import METRICS
 from ragcache.errors import UserError
 
@@ -245,6 +245,26 @@ def test_bad_eval_input_is_a_clear_error(tmp_path):
         load_dataset(tmp_path / "missing.json", None)
     with pytest.raises(UserError, match="unknown mode"):
         policies(EvalConfig(bad, modes=["full", "turbo"]))
+
+
+def test_a_probe_deeper_than_the_model_is_refused_by_name_not_run_through_every_layer(tmp_path, tiny, smollm):
+    """30 layers: a probe through 99 would run through all 30 under a label that says 99. The eval refuses it by its
+    flag, a server's setting at its warm-up (/ready says why) and at a probe request's policy (`ask` too)."""
+    from ragcache import RagCache
+
+    with RagCache(Settings(home=tmp_path, model=str(smollm.path))) as service:
+        with pytest.raises(UserError, match="--probe-layers 99: this model has 30 layers"):
+            evaluate(service, EvalConfig(tiny, modes=["full", "probe"], probe_layers=[4, 99]), progress=False)
+        with pytest.raises(UserError, match="--adaptive-layers 31"):
+            evaluate(service, EvalConfig(tiny, modes=["full", "adaptive"], adaptive_layers=31), progress=False)
+    with RagCache(Settings(home=tmp_path, model=str(smollm.path), probe_layers=99)) as service:
+        with pytest.raises(UserError, match="setting probe_layers: 99 is past this model's 30 layers"):
+            service.policy_for("probe")
+        assert service.policy_for("reuse").policy == Reuse()  # the setting is the probe's alone (APE around it)
+        with pytest.raises(UserError, match="setting probe_layers"):
+            service.warm(None)
+    with RagCache(Settings(home=tmp_path, model=str(smollm.path), probe_layers=30)) as service:
+        assert service.policy_for("probe").policy.layers == 30  # every layer, named: allowed
 
 
 def test_frontier_keeps_the_modes_nothing_beats_on_speed_and_kl():
