@@ -16,6 +16,16 @@ NamespaceName = Annotated[str, Field(min_length=1, max_length=128), AfterValidat
 DocId = Annotated[str, Field(min_length=1, max_length=DOC_ID_CHARS), AfterValidator(storable)]
 
 
+StopString = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(valid_text)]
+Stops = StopString | Annotated[list[StopString], Field(max_length=4)] | None
+STOP = "up to 4 strings: the answer ends before the first one it writes, which is not part of it (OpenAI's stop)"
+
+
+def stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    """A request's `stop` as the tuple `Ask.stop` takes."""
+    return (stop,) if isinstance(stop, str) else tuple(stop or ())
+
+
 TARGET_KL = ("auto, adaptive: serve the mode (auto) or coverage (adaptive) `ragcache calibrate` measured fastest "
              "within this mean teacher-forced KL of full prefill (nats)")
 
@@ -41,6 +51,7 @@ class GenerateRequest(Strict):
     stream: bool = False
     explain: bool = Field(default=False, description="token strings, chunk spans, recomputed rows, deviations")
     ignore_eos: bool = Field(default=False, description="decode max_tokens tokens whatever the model says")
+    stop: Stops = Field(default=None, description=STOP)
     retrieval: Retrieval | None = Field(default=None, description="dense, bm25 or hybrid; default RAGCACHE_RETRIEVAL")
     rerank: int | None = Field(default=None, ge=0, le=64,
                                description="rerank this many candidates on their cached KV (by the server's "
@@ -147,6 +158,7 @@ class ChatRequest(BaseModel):
     top_p: float = Field(default=1.0, gt=0, le=1)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+    stop: Stops = Field(default=None, description=STOP)
     ignore_eos: bool = False
     rag: RagOptions = Field(default_factory=RagOptions)
 

@@ -55,6 +55,7 @@ class Ask:
     rerank: int | None = None  # candidates reranked on their cached KV (0: none); None: RAGCACHE_RERANK
     tenant: str | None = None  # whose share it counts against (the caller's key); None: its namespace
     target_kl: float | None = None  # auto, adaptive: the calibrated point within this KL of full prefill
+    stop: tuple[str, ...] = ()  # the answer ends before the first of these it writes (OpenAI's stop)
 
     @property
     def who(self) -> str:

@@ -73,7 +73,7 @@ class Sequence:
         self.repairs_with = repair_of(prep.policy)  # deferred: the policy of the repair after the first token
         self.repair = None  # the repair's FusedResult once it ran
         self.repair_s = 0.0
-        self.stream = TextStream(tokenizer)
+        self.stream = TextStream(tokenizer, prep.ask.stop)
         self.finish_reason: str | None = None
         self.token: int | None = None  # the last token picked, for the next decode step to feed back
         self.generator = None
@@ -92,6 +92,9 @@ class Sequence:
             self.finish_reason = "stop"
             return None
         self._emit(self.stream.push(token))
+        if self.stream.stopped:  # a stop string: the answer ended before it
+            self.finish_reason = "stop"
+            return None
         if len(self.stream.ids) == self.prep.sampling.max_new_tokens:
             self.finish_reason = "length"
             return None

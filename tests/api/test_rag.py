@@ -41,6 +41,33 @@ def test_stream_sends_tokens_before_the_end_and_they_add_up(api_server):
     assert "".join(d["text"] for k, d in got if k == "token") == got[-1][1]["answer"] == plain["answer"]
 
 
+def test_a_stop_string_ends_the_answer_before_it_streamed_or_not_and_in_chat(api_server):
+    """The answer without a stop, then with a word of it as a stop (and another string it never writes): the text
+    before the word, finish_reason "stop", fewer tokens; streamed, the same deltas; over the chat endpoint, the
+    same through `stop`. An empty stop string or a fifth one is a 422."""
+    body = _ask(api_server, mode="reuse", top_k=2, max_tokens=16, ignore_eos=True)
+    with api_server.client() as c:
+        whole = c.post("/v1/rag/generate", json=body).json()
+        word = whole["answer"].split()[3]
+        want = whole["answer"][:whole["answer"].find(word)].rstrip()
+        cut = c.post("/v1/rag/generate", json={**body, "stop": ["qqzzqq", word]}).json()
+        assert cut["answer"] == want and cut["finish_reason"] == "stop" and want, (whole["answer"], word)
+        assert cut["usage"]["completion_tokens"] < whole["usage"]["completion_tokens"] == 16
+        with c.stream("POST", "/v1/rag/generate", json={**body, "stop": word, "stream": True}) as r:
+            got = list(events(r))
+        assert "".join(d["text"] for k, d in got if k == "token") == got[-1][1]["answer"] == want
+        assert got[-1][1]["finish_reason"] == "stop"
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        chat = c.post("/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": api_server.question}], "max_tokens": 16,
+            "ignore_eos": True, "stop": [word], "rag": {"namespace": api_server.namespace, "top_k": 2, "mode": "reuse"}})
+        choice = chat.json()["choices"][0]
+        assert choice["message"]["content"] == want and choice["finish_reason"] == "stop", chat.text
+        for bad in ("", ["a", "b", "c", "d", "e"]):
+            r = c.post("/v1/rag/generate", json={**body, "stop": bad})
+            assert r.status_code == 422 and r.json()["error"]["param"].startswith("stop"), r.text
+
+
 def test_explain_marks_every_recomputed_position(api_server):
     with api_server.client() as c:
         out = c.post("/v1/rag/generate", json=_ask(api_server, mode="cacheblend", top_k=2, max_tokens=2,

@@ -52,6 +52,36 @@ def test_split_characters_and_stray_bytes_stream_as_the_whole_decode(smollm):
         assert text == tok.decode(ids, skip_special_tokens=True).strip() == stream.sent, ids
 
 
+def test_a_stop_string_ends_the_answer_before_it_and_no_delta_ever_holds_a_piece_of_it(smollm):
+    """OpenAI's `stop`: the answer is the text before the first stop string written (stripped, as every answer is),
+    the stream says `stopped` at the token that completes it, and a piece of a stop string (which the next token
+    may or may not complete) is held back, never sent: the deltas are a prefix of the answer at every token."""
+    tok, rng = smollm.tokenizer, random.Random(1)
+    words = ["Paris", " is", " the", "\n", "\n\n", " Question", ":", " capital", " of", " France", ".", " Q", "ue"]
+    for _ in range(300):
+        ids = encode(tok, "".join(rng.choice(words) for _ in range(rng.randrange(1, 14))))
+        text = tok.decode(ids, skip_special_tokens=True)
+        stops = tuple(rng.sample(["\n\n", "Question:", " of F", ".", "xyz", "Q"], rng.randrange(1, 3)))
+        stream, deltas, pushed = TextStream(tok, stops), [], 0
+        for i in ids:
+            deltas.append(stream.push(i))
+            pushed += 1
+            assert not any(s in d for d in deltas for s in stops)
+            if stream.stopped:
+                break
+        deltas.append(stream.finish())
+        starts = [at for at in (text.lstrip().find(s) for s in stops) if at >= 0]
+        want = text.lstrip()[:min(starts)].strip() if starts else text.strip()
+        assert "".join(deltas) == want == stream.sent, (text, stops, deltas)
+        assert stream.stopped == bool(starts)
+        if starts:  # it stopped at the token that completed the first stop string, not later
+            before = tok.decode(ids[:pushed - 1], skip_special_tokens=True).lstrip()
+            assert not any(s in before for s in stops), (text, stops)
+    stream = TextStream(tok, ("Question:",))  # a piece held back, then let go when the next token settles it
+    assert [stream.push(i) for i in encode(tok, "Paris Quest")] and stream.sent == "Paris"
+    assert stream.finish() == " Quest" and stream.sent == "Paris Quest" and not stream.stopped
+
+
 class _Counting:
     """The real tokenizer, counting the ids it is asked to decode."""
 
