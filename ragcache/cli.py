@@ -111,6 +111,12 @@ def _positive(text: str) -> int:
     return value
 
 
+def _stop(text: str) -> str:
+    if not 1 <= len(text) <= 256:
+        raise argparse.ArgumentTypeError("must be 1 to 256 characters")
+    return text
+
+
 def build_parser(extend=None) -> argparse.ArgumentParser:
     """The command line; `extend(subparsers)` adds commands from the layer above (api's `serve`)."""
     p = argparse.ArgumentParser(prog="ragcache", description="RAG serving cache: precomputed chunk KV, blended.")
@@ -194,6 +200,8 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     a.add_argument("--target-kl", type=float, default=None,
                    help="auto, adaptive: the calibrated point within this KL of full prefill (`ragcache calibrate`)")
     a.add_argument("--max-new-tokens", type=_positive, default=None)
+    a.add_argument("--stop", action="append", type=_stop, default=[],
+                   help="end the answer before this string (repeatable, up to 4)")
     a.add_argument("--namespace", default="default")
     a.add_argument("--json", action="store_true", help="print the whole result as JSON")
     a.add_argument("--retrieval", choices=CHOICES["retrieval"], default=None, help="default: RAGCACHE_RETRIEVAL")

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import sys
 
+from .errors import UserError
+
+
 def demo(args, settings) -> int:
     from .demo import run_demo
 
@@ -59,13 +62,15 @@ def ask(args, settings) -> int:
     from .service import RagCache
     from .serving.policy import fixed_policy
 
+    if len(args.stop) > 4:
+        raise UserError(f"--stop given {len(args.stop)} times: at most 4 stop strings")
     mode = args.mode or settings.mode
     if mode not in ("auto", "adaptive"):  # a knob out of range named before the model loads, not after
         fixed_policy(mode, args.ratio, args.epic_k, settings)
     with RagCache(settings) as service:
         out = service.generate(args.question, args.namespace, args.k, args.mode, ratio=args.ratio, k=args.epic_k,
                                max_new_tokens=args.max_new_tokens, retrieval=args.retrieval, rerank=args.rerank,
-                               target_kl=args.target_kl)
+                               target_kl=args.target_kl, stop=tuple(args.stop))
     if args.json:
         print(json.dumps(out, indent=2))
         return 0

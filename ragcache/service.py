@@ -77,9 +77,10 @@ class RagCache(Parts):
     def generate(self, query: str, namespace: str = "default", top_k: int | None = None, mode: str | None = None,
                  ratio: float | None = None, k: int | None = None, max_new_tokens: int | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, retrieval: str | None = None,
-                 rerank: int | None = None, target_kl: float | None = None) -> dict:
+                 rerank: int | None = None, target_kl: float | None = None, stop: tuple[str, ...] = ()) -> dict:
         return self.generation.generate(Ask(query, namespace, top_k, mode, ratio, k, max_new_tokens, temperature,
-                                            top_p, seed, retrieval=retrieval, rerank=rerank, target_kl=target_kl))
+                                            top_p, seed, retrieval=retrieval, rerank=rerank, target_kl=target_kl,
+                                            stop=stop))
 
     def close(self) -> None:
         self.jobs.close()

@@ -75,6 +75,8 @@ def _bad_files(tmp: Path) -> dict[str, Path]:
     (["ingest", "{a_file}"], {}, "unsupported type '(no suffix)'"),
     (["search", "x", "--retrieval", "sparse"], {}, "invalid choice: 'sparse'"),
     (["ask", "what?"], {"RAGCACHE_RETRIEVAL": "sparse"}, "setting retrieval"),
+    (["ask", "what?", "--stop", ""], {}, "--stop: must be 1 to 256 characters"),
+    (["ask", "what?", *"--stop a --stop b --stop c --stop d --stop e".split()], {}, "at most 4 stop strings"),
     (["bench", "blend", "--repeats", "0"], {}, "must be >= 1"),
     (["bench", "blend", "--question", "99999"], {}, "--question must be in [0, "),
     (["bench", "blend", "--chunk-prefill", "lead"], {}, "lead is measured by `ragcache eval`"),
