@@ -42,14 +42,13 @@ class TextStream:
         text = self._held + text
         if not self.sent:
             text = text.lstrip()
-        if self.stops:
-            whole = self.sent + text
-            found = [at for at in (whole.find(s, len(self.sent)) for s in self.stops) if at >= 0]
-            if found:  # the answer ends here; nothing before it was sent past where a stop could start
-                text, final, self.stopped = whole[len(self.sent):min(found)], True, True
+        if self.stops:  # a stop starts in the text not yet sent: whatever could begin one was held back
+            found = [at for at in (text.find(s) for s in self.stops) if at >= 0]
+            if found:  # the answer ends here
+                text, final, self.stopped = text[:min(found)], True, True
         body = text.rstrip()
         if self.stops and not final:
-            body = body[:len(body) - self._open(self.sent + body)].rstrip()  # its whitespace held too
+            body = body[:len(body) - self._open(body)].rstrip()  # its whitespace held too
         self._held = "" if final else text[len(body):]
         self.sent += body
         return body
