@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
-from ragcache.config import CHOICES, MODES
+from ragcache.config import CHOICES, MAX_STOPS, MODES, STOP_CHARS
 from ragcache.corpus.body import DOC_ID_CHARS, storable, valid_text
 
 Mode = Literal[MODES]  # type: ignore[valid-type]
@@ -16,9 +16,10 @@ NamespaceName = Annotated[str, Field(min_length=1, max_length=128), AfterValidat
 DocId = Annotated[str, Field(min_length=1, max_length=DOC_ID_CHARS), AfterValidator(storable)]
 
 
-StopString = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(valid_text)]
-Stops = StopString | Annotated[list[StopString], Field(max_length=4)] | None
-STOP = "up to 4 strings: the answer ends before the first one it writes, which is not part of it (OpenAI's stop)"
+StopString = Annotated[str, Field(min_length=1, max_length=STOP_CHARS), AfterValidator(valid_text)]
+Stops = StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None
+STOP = (f"up to {MAX_STOPS} strings: the answer ends before the first one it writes, which is not part of it "
+        "(OpenAI's stop)")
 
 
 def stops(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from . import commands
-from .config import CHOICES, EVAL_MODES, KV_CODEC, KV_CODEC_FORM, MODES
+from .config import CHOICES, EVAL_MODES, KV_CODEC, KV_CODEC_FORM, MAX_STOPS, MODES, STOP_CHARS
 from .errors import UserError
 
 
@@ -112,8 +112,8 @@ def _positive(text: str) -> int:
 
 
 def _stop(text: str) -> str:
-    if not 1 <= len(text) <= 256:
-        raise argparse.ArgumentTypeError("must be 1 to 256 characters")
+    if not 1 <= len(text) <= STOP_CHARS:
+        raise argparse.ArgumentTypeError(f"must be 1 to {STOP_CHARS} characters")
     return text
 
 
@@ -201,7 +201,7 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
                    help="auto, adaptive: the calibrated point within this KL of full prefill (`ragcache calibrate`)")
     a.add_argument("--max-new-tokens", type=_positive, default=None)
     a.add_argument("--stop", action="append", type=_stop, default=[],
-                   help="end the answer before this string (repeatable, up to 4)")
+                   help=f"end the answer before this string (repeatable, up to {MAX_STOPS})")
     a.add_argument("--namespace", default="default")
     a.add_argument("--json", action="store_true", help="print the whole result as JSON")
     a.add_argument("--retrieval", choices=CHOICES["retrieval"], default=None, help="default: RAGCACHE_RETRIEVAL")

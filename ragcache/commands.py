@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from .config import MAX_STOPS
 from .errors import UserError
 
 
@@ -62,8 +63,8 @@ def ask(args, settings) -> int:
     from .service import RagCache
     from .serving.policy import fixed_policy
 
-    if len(args.stop) > 4:
-        raise UserError(f"--stop given {len(args.stop)} times: at most 4 stop strings")
+    if len(args.stop) > MAX_STOPS:
+        raise UserError(f"--stop given {len(args.stop)} times: at most {MAX_STOPS} stop strings")
     mode = args.mode or settings.mode
     if mode not in ("auto", "adaptive"):  # a knob out of range named before the model loads, not after
         fixed_policy(mode, args.ratio, args.epic_k, settings)

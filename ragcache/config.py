@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 EVAL_MODES = ("full", "reuse", "prefix", "cacheblend", "epic", "probe", "adaptive", "a3", "blendq", "deferred")
 RATIO_MODES = ("cacheblend", "probe", "a3", "blendq", "deferred")  # whose knob is the share of context rows recomputed
 MODES = (*EVAL_MODES, "auto")
+MAX_STOPS, STOP_CHARS = 4, 256  # a request's stop strings (OpenAI's `stop`): how many, how long
 CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "kv_dtype": ("auto", "float32", "bfloat16", "float16", "int8"),

@@ -74,9 +74,10 @@ def policy_for(parts, mode: str, ratio: float | None = None, k: int | None = Non
             mode = default.mode
             ratio = default.param if mode in RATIO_MODES else ratio
             k = int(default.param) if mode == "epic" and default.param is not None else k
-    if mode == "probe" and asked == "probe":
+    configured_probe = mode == "probe" and asked == "probe"  # at the configured depth (auto: as calibrated)
+    if configured_probe:
         within_depth(s, parts.runner.num_layers)
-    policy = fixed_policy(mode, ratio, k, s, probe_layers=mode == "probe" and asked == "probe")
+    policy = fixed_policy(mode, ratio, k, s, probe_layers=configured_probe)
     ape = _ape(parts, None if ape_named else default)
     return Reweighted(policy, ape) if ape.active and policy.reads_chunk_kv else policy
 
