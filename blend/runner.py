@@ -21,6 +21,8 @@ from .linear import Weights, make_weights
 from .model import Model
 from .rope import RopeTable, rope_frequencies
 
+SPARE_CACHES = 2  # released working caches a runner keeps, so that the next prefills write into warm pages
+
 
 @dataclass(frozen=True)
 class Check:
@@ -118,7 +120,7 @@ class Runner:
     def release(self, cache: KVCache) -> None:
         """Hand a cache back for reuse; the caller must not touch it (or views of it) afterwards."""
         with self._spare_lock:
-            if len(self._spare) < 2 and cache.dtype == self.dtype:  # a compact one is never a working cache
+            if len(self._spare) < SPARE_CACHES and cache.dtype == self.dtype:  # a compact one is not a working one
                 self._spare.append(KVCache(cache.k, cache.v, 0))
 
     def compact(self, cache: KVCache, dtype: torch.dtype) -> KVCache:

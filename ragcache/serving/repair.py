@@ -1,5 +1,5 @@
 """The repair after the first token (mode `deferred`): each sequence's prompt and first token fused again from
-its chunk KV by its repair policy, batched, as the scheduler's steps and the sequential path run it.
+its chunk KV by its repair policy, batched (in `groups`), as the scheduler's steps and the sequential path run it.
 
     batch, long_one, wait, failed = take(waiting, cap, num_layers, long_ok)   # within a step's rows
     errors = repair(runner, kv_cache_dtype, [seq_a, seq_b])   # each None (repaired) or what failed it
@@ -14,6 +14,7 @@ from __future__ import annotations
 from blend.batch import fuse_batch
 
 from .alone import each_alone
+from .groups import groups
 from .sequence import Sequence
 
 
@@ -21,12 +22,13 @@ def repair(runner, kv_cache_dtype, seqs: list[Sequence]) -> list[Exception | Non
     for seq in seqs:
         release(runner, seq)
     errors: dict[int, Exception] = {}
-    ran = each_alone(seqs, lambda b: fuse_batch(runner, [seq.prep.repair_args(seq.token) for seq in b]),
-                     lambda seq, e: errors.__setitem__(id(seq), e))
-    for seq, f in ran:
-        error = finish(runner, kv_cache_dtype, seq, f)
-        if error is not None:
-            errors[id(seq)] = error
+    for group in groups(runner, kv_cache_dtype, seqs):  # compacted: in groups, into warm pages
+        ran = each_alone(group, lambda b: fuse_batch(runner, [seq.prep.repair_args(seq.token) for seq in b]),
+                         lambda seq, e: errors.__setitem__(id(seq), e))
+        for seq, f in ran:
+            error = finish(runner, kv_cache_dtype, seq, f)
+            if error is not None:
+                errors[id(seq)] = error
     return [errors.get(id(seq)) for seq in seqs]
 
 

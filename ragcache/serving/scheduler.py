@@ -7,8 +7,9 @@ The model thread, this module, loops over `step()` (the prep thread and the side
 
     admit   prepared requests while their KV fits RAGCACHE_KV_BUDGET_BYTES (`admission.Admission`)
     prefill the admitted ones whose recomputed rows fit the step (`Admission.step_rows`, one at least),
-            batched, tenants in turn; a longer one runs across steps, that many rows x layers a step
-            (`piecewise.Piecewise`), its pieces taking turns with the others' batches
+            batched (in `groups` where their caches are compacted), tenants in turn; a longer one runs across
+            steps, that many rows x layers a step (`piecewise.Piecewise`), its pieces taking turns with the
+            others' batches
     pick, release, decode, repair: the running sequences' part (`decoding.Decoding`): each picks its next
             token, the finished answer, the rest decode in one batch, and those whose first token went out
             under `deferred` are fused again within the step's rows (a longer one in pieces, as a prompt)
@@ -36,6 +37,7 @@ from blend.cores import claim_cores, hand_over_quickly
 from .admission import Admission, Limits
 from .alone import each_alone
 from .decoding import Decoding
+from .groups import groups
 from .piecewise import Piecewise
 from .prep import PrepThread
 from .repair import finish
@@ -157,12 +159,14 @@ class Scheduler:
         self._prefill_batch(batch)
 
     def _prefill_batch(self, batch: list[tuple[Ticket, Prepared]]) -> None:
-        ran = each_alone(batch, lambda b: fuse_batch(self.service.runner, [prep.fuse_args() for _, prep in b]),
-                         lambda item, e: self._fail(*item, None, e, "a prefill"))
-        if ran:
-            self.stats.prefill_batch.observe(len(ran))
-        for (ticket, prep), fused in ran:
-            self._start(ticket, prep, fused)
+        runner = self.service.runner
+        for group in groups(runner, self.service.kv_cache_dtype, batch):  # compacted: in groups, warm pages
+            ran = each_alone(group, lambda b: fuse_batch(runner, [prep.fuse_args() for _, prep in b]),
+                             lambda item, e: self._fail(*item, None, e, "a prefill"))
+            if ran:
+                self.stats.prefill_batch.observe(len(ran))
+            for (ticket, prep), fused in ran:
+                self._start(ticket, prep, fused)
 
     def _prefill_piece(self, cap: int) -> None:
         piece = self._piecewise

@@ -10,12 +10,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from blend import Reuse, Runner, compute_chunk, compute_prefix
+from blend.batch import fuse_batch
 from blend.cores import SWITCH_S, claim_cores
-from blend.prompt import QUESTION, chat_frame, conversation, encode
+from blend.prompt import QUESTION, as_ids, chat_frame, conversation, encode
+from blend.runner import SPARE_CACHES
 from ragcache.config import Settings
 from ragcache.errors import Busy
 import ragcache.serving.admission as admission_module
 from ragcache.serving.admission import SHARED_WINDOW_S, Admission, Limits
+from ragcache.serving.groups import groups
 from ragcache.serving.prefixes import PrefixCache
 from ragcache.serving.scheduler import Scheduler
 from ragcache.serving.sequence import Prepared
@@ -294,3 +298,30 @@ def test_steps_stay_short_for_the_window_after_two_tenants_end_then_grow(monkeyp
     assert admission.step_rows == 50 and not admission.shares  # ended, still within the window
     now[0] += 2
     assert admission.step_rows == 1000
+
+
+@torch.inference_mode()
+def test_a_compacted_batch_runs_in_groups_each_writing_into_the_last_groups_working_caches(smollm):
+    """On the CPU with int8 running KV, a batch's fused prefills run SPARE_CACHES at a time: each group's float
+    working caches are the ones the group before released (warm pages), and each request's first token is the
+    whole batch's. With float running KV (nothing compacted) the batch runs whole."""
+    runner, tok = Runner(smollm), smollm.tokenizer  # a runner of its own: its spare caches start empty
+    prefix = compute_prefix(runner, as_ids(encode(tok, "Passages:")))
+    requests = [(prefix, [compute_chunk(runner, as_ids(encode(tok, f"Passage {i}: the college opened in 16{i}0.")),
+                                        prefix)], as_ids(encode(tok, f" Question {i}: when?")), Reuse(), 4)
+                for i in range(5)]
+    assert groups(runner, torch.float32, requests) == [requests]
+    grouped = groups(runner, torch.int8, requests)
+    assert [len(g) for g in grouped] == [SPARE_CACHES, SPARE_CACHES, 1] and sum(grouped, []) == requests
+    whole = [r.logits for r in fuse_batch(runner, requests)]
+    first, logits = None, []
+    for group in grouped:
+        fused = fuse_batch(runner, group)
+        working = {f.cache.k.data_ptr() for f in fused}
+        first = first or working
+        assert working <= first  # the first group's caches, released below, reused
+        for f in fused:
+            runner.compact(f.cache, torch.int8)
+            logits.append(f.logits)
+    for a, b in zip(logits, whole):
+        assert int(a.argmax()) == int(b.argmax()) and torch.allclose(a, b, atol=1e-3)
