@@ -1,4 +1,4 @@
-"""In-process costs behind `bench serve`: batched vs sequential selective recompute of requests that
+"""In-process costs behind `bench serve`: batched, grouped and sequential selective recompute of requests that
 arrive at once, and one decode step's time against its batch size (real fused contexts)."""
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import torch
 from blend import CacheBlend, Epic, Runner, compute_chunk, compute_prefix, fuse_and_prefill
 from blend.batch import decode_batch, fuse_batch
 from blend.prompt import as_ids, chat_frame, encode
+
+from ..serving.groups import groups
 
 from .timing import interleaved, median, table
 
@@ -23,26 +25,30 @@ def requests(runner: Runner, data: list[dict], system_prompt: str, n: int, passa
     return out
 
 
-def recompute_table(runner: Runner, reqs: list[tuple], repeats: int) -> str:
-    """Time to all first tokens of len(reqs) requests arriving at once: one after another vs one batch."""
+def recompute_table(runner: Runner, reqs: list[tuple], repeats: int, kv: torch.dtype) -> str:
+    """Time to all first tokens of len(reqs) requests arriving at once, each fused cache then kept at `kv` as a
+    running sequence keeps it: one after another, in one batch, and in the scheduler's `groups` (one batch
+    when nothing is compacted). The caches are let go once all are made, as a server's decoding would."""
     rows = []
     for name, policy in (("cacheblend@0.15", CacheBlend(0.15)), ("epic@16", Epic(16))):
-        def sequential():
-            for prefix, chunks, suffix in reqs:
-                res = fuse_and_prefill(runner, prefix, chunks, suffix, policy)
-                int(res.logits.argmax())
-                runner.release(res.cache)
+        def run(parts):
+            def go():
+                kept = []
+                for part in parts:
+                    for r in fuse_batch(runner, [(p, c, s, policy, 0) for p, c, s in part]):
+                        int(r.logits.argmax())
+                        kept.append(runner.compact(r.cache, kv))  # a compacted one's working cache goes back here
+                for cache in kept:
+                    runner.release(cache)
+            return go
 
-        def batched():
-            results = fuse_batch(runner, [(p, c, s, policy, 0) for p, c, s in reqs])
-            [int(r.logits.argmax()) for r in results]
-            for r in results:
-                runner.release(r.cache)
-
-        times = interleaved({"sequential": sequential, "batched": batched}, repeats)
-        seq_s, bat_s = median(times["sequential"]), median(times["batched"])
-        rows.append([name, len(reqs), seq_s, bat_s, seq_s / bat_s])
-    return table(rows, ["mode", "requests", "sequential s", "batched s", "sequential / batched"])
+        ways = {"sequential": run([[r] for r in reqs]), "one batch": run([reqs]),
+                "groups": run(groups(runner, kv, reqs))}
+        times = interleaved(ways, repeats)
+        seq_s, bat_s, grp_s = (median(times[w]) for w in ways)
+        rows.append([name, len(reqs), seq_s, bat_s, grp_s, len(groups(runner, kv, reqs)), seq_s / grp_s])
+    return table(rows, ["mode", "requests", "sequential s", "one batch s", "in groups s", "groups",
+                        "sequential / in groups"])
 
 
 def decode_table(runner: Runner, reqs: list[tuple], sizes: list[int], repeats: int,
@@ -90,9 +96,10 @@ def run_in_process(settings, data: list[dict], n: int, sizes: list[int], repeats
     kv = model.dtype if settings.kv_cache_dtype == "auto" else getattr(torch, settings.kv_cache_dtype)
     with torch.inference_mode():
         reqs = requests(runner, data, settings.system_prompt, n)
-        text = (f"\nBatched vs sequential selective recompute, {n} requests arriving at once, 4 passages each "
+        text = (f"\nBatched, grouped and sequential selective recompute, {n} requests arriving at once, 4 passages "
+                f"each, every fused cache kept at {kv} "
                 f"({model.name} {model.dtype} on {model.device}, median of {repeats} interleaved repeats)\n")
-        text += recompute_table(runner, reqs[:n], repeats)
+        text += recompute_table(runner, reqs[:n], repeats, kv)
         decode, _ = decode_table(runner, reqs, sizes, repeats, kv)
         if kv != model.dtype:
             decode += "\n\n" + compact_table(runner, reqs[0], kv, repeats)

@@ -8,7 +8,7 @@ output tokens/s against N = 1, client TTFT and end-to-end latency p50/p99. Cache
 recompute does not shrink when batched, so its gain is bounded by
     (recompute + decode of one request) ÷ (recompute + its share of a batched decode of N),
 with recompute and decode from its N = 1 run and the batched decode share from reuse at N
-(whose prefill is a few rows): printed beside the measured ratio. Then, in process: batched vs
+(whose prefill is a few rows): printed beside the measured ratio. Then, in process: batched, grouped and
 sequential selective recompute of 8 requests arriving at once, and a decode step's cost per batch size. Last,
 reuse against the bandwidth bound of a decode step's bytes, end to end and in its decode phase alone.
 """
