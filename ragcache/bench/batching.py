@@ -9,7 +9,6 @@ from blend.batch import decode_batch, fuse_batch
 from blend.prompt import as_ids, chat_frame, encode
 
 from ..serving.groups import groups
-
 from .timing import interleaved, median, table
 
 
