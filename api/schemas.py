@@ -17,14 +17,25 @@ DocId = Annotated[str, Field(min_length=1, max_length=DOC_ID_CHARS), AfterValida
 
 
 StopString = Annotated[str, Field(min_length=1, max_length=STOP_CHARS), AfterValidator(valid_text)]
-Stops = StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None
+STOP_STRING = {"type": "string", "minLength": 1, "maxLength": STOP_CHARS}
+
+
+def _listed(v):
+    return [v] if isinstance(v, str) else v
+
+
+# a string or a list of them (OpenAI's two forms), validated as one list: an error names `stop` or `stop.N`, never
+# the branch of a union that pydantic tried last
+Stops = Annotated[list[StopString], Field(max_length=MAX_STOPS), BeforeValidator(_listed),
+                  WithJsonSchema({"anyOf": [STOP_STRING, {"type": "array", "items": STOP_STRING,
+                                                          "maxItems": MAX_STOPS}]})] | None
 STOP = (f"up to {MAX_STOPS} strings: the answer ends before the first one it writes, which is not part of it "
         "(OpenAI's stop)")
 
 
-def stops(stop: str | list[str] | None) -> tuple[str, ...]:
+def stops(stop: list[str] | None) -> tuple[str, ...]:
     """A request's `stop` as the tuple `Ask.stop` takes."""
-    return (stop,) if isinstance(stop, str) else tuple(stop or ())
+    return tuple(stop or ())
 
 
 TARGET_KL = ("auto, adaptive: serve the mode (auto) or coverage (adaptive) `ragcache calibrate` measured fastest "

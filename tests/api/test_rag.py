@@ -44,7 +44,7 @@ def test_stream_sends_tokens_before_the_end_and_they_add_up(api_server):
 def test_a_stop_string_ends_the_answer_before_it_streamed_or_not_and_in_chat(api_server):
     """The answer without a stop, then with a word of it as a stop (and another string it never writes): the text
     before the word, finish_reason "stop", fewer tokens; streamed, the same deltas; over the chat endpoint, the
-    same through `stop`. An empty stop string or a fifth one is a 422."""
+    same through `stop`. An empty stop string, a fifth one or a number is a 422 naming it, on both routes."""
     body = _ask(api_server, mode="reuse", top_k=2, max_tokens=16, ignore_eos=True)
     with api_server.client() as c:
         whole = c.post("/v1/rag/generate", json=body).json()
@@ -63,9 +63,13 @@ def test_a_stop_string_ends_the_answer_before_it_streamed_or_not_and_in_chat(api
             "ignore_eos": True, "stop": [word], "rag": {"namespace": api_server.namespace, "top_k": 2, "mode": "reuse"}})
         choice = chat.json()["choices"][0]
         assert choice["message"]["content"] == want and choice["finish_reason"] == "stop", chat.text
-        for bad in ("", ["a", "b", "c", "d", "e"]):
-            r = c.post("/v1/rag/generate", json={**body, "stop": bad})
-            assert r.status_code == 422 and r.json()["error"]["param"].startswith("stop"), r.text
+        chat_body = {"model": model, "messages": [{"role": "user", "content": "q"}]}
+        for bad, param, says in (("", "stop.0", "at least 1 character"), (["a", "", "c"], "stop.1", "at least 1"),
+                                 (list("abcde"), "stop", "at most 4 items"), ([3], "stop.0", "valid string")):
+            for path, extra in (("/v1/rag/generate", body), ("/v1/chat/completions", chat_body)):
+                r = c.post(path, json={**extra, "stop": bad})  # a 422 naming the string, not pydantic's union branch
+                assert r.status_code == 422 and r.json()["error"]["param"] == param, r.text
+                assert says in r.json()["error"]["message"], r.text
 
 
 def test_explain_marks_every_recomputed_position(api_server):
