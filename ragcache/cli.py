@@ -137,7 +137,7 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
     b.add_argument("--dataset", default="demo/data/musique_dev.json",
                    help="blend, precompute, coverage: MuSiQue-format file")
     b.add_argument("--question", type=int, default=0, help="blend: which question's passages")
-    b.add_argument("--passages", type=_ints, default=None,
+    b.add_argument("--passages", type=_counts, default=None,
                    help="blend, store: passage counts (4,10); coverage: top-k values (1,2,4,8,10)")
     b.add_argument("--chunk-prefill", choices=("alone", "prefixed", "lead"), default=None,
                    help="what chunk KV is computed behind: blend (alone, prefixed; default alone), store's fidelity "
@@ -152,7 +152,7 @@ def build_parser(extend=None) -> argparse.ArgumentParser:
                    "how long B runs under the flood")
     b.add_argument("--hostile", action="store_true", help="tenants: A also pins, sends bad bodies, stalls uploads")
     b.add_argument("--ingest", type=int, default=0, help="tenants: A ingests this many documents while B runs")
-    b.add_argument("--clients", type=_ints, default=[1, 4, 8, 16],
+    b.add_argument("--clients", type=_counts, default=[1, 4, 8, 16],
                    help="serve: concurrent clients, comma-separated; tenants: the flooder's (the largest)")
     b.add_argument("--rounds", type=_positive, default=2, help="serve: requests per client; tenants: B's requests")
     b.add_argument("--new-tokens", type=_positive, default=64, help="serve: tokens decoded per request; decode: "

@@ -80,6 +80,8 @@ def _bad_files(tmp: Path) -> dict[str, Path]:
     (["bench", "blend", "--repeats", "0"], {}, "must be >= 1"),
     (["bench", "blend", "--question", "99999"], {}, "--question must be in [0, "),
     (["bench", "blend", "--chunk-prefill", "lead"], {}, "lead is measured by `ragcache eval`"),
+    (["bench", "serve", "--clients", "1,0"], {}, "--clients: expected positive integers, got '1,0'"),
+    (["bench", "store", "--passages", "0"], {}, "--passages: expected positive integers, got '0'"),
 ])
 def test_bad_input_is_one_named_line(tmp_path, monkeypatch, capsys, args, env, words):
     """In this process (the command's `main`, as `python -m ragcache.cli` runs it; the tests above start it for
