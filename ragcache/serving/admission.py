@@ -176,16 +176,18 @@ class Admission:
         tenants = len({t for t, share in self.shares.items() if share.running} | set(self.last_active))
         return self.limits.shared_step_rows if tenants > 1 else self.limits.step_rows
 
-    def take_prefill(self, num_layers: int, long_ok: bool = True):
-        """(admitted prompts, tenants in turn, whose recomputed rows fit `step_rows` together; whether the one
-        taken is too long for a step; [(ticket, prep, exception)] of those whose plan raised: they left the
-        line, their budget still reserved). A too-long one is taken alone, to be recomputed across steps, when
-        `long_ok` and nothing else was taken first; else it waits, and shorter ones pass it."""
+    def take_prefill(self, num_layers: int, long_ok: bool = True, most: int | None = None):
+        """(admitted prompts, tenants in turn, whose recomputed rows fit `step_rows` together, `most` of them at
+        most; whether the one taken is too long for a step; [(ticket, prep, exception)] of those whose plan raised:
+        they left the line, their budget still reserved). A too-long one is taken alone, to be recomputed across
+        steps, when `long_ok` and nothing else was taken first; else it waits, and shorter ones pass it."""
         cap, rows, batch, failed = self.step_rows, 0, [], []
         took = True
-        while took:
+        while took and len(batch) != most:
             took = False
             for tenant, (_ticket, prep) in self.admitted.heads():
+                if len(batch) == most:
+                    break
                 try:
                     n = prep.plan(num_layers).recompute_rows
                 except Exception as e:  # noqa: BLE001 — that request's own failure, for the scheduler to report

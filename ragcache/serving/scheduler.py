@@ -7,9 +7,9 @@ The model thread, this module, loops over `step()` (the prep thread and the side
 
     admit   prepared requests while their KV fits RAGCACHE_KV_BUDGET_BYTES (`admission.Admission`)
     prefill the admitted ones whose recomputed rows fit the step (`Admission.step_rows`, one at least),
-            batched (in `groups` where their caches are compacted), tenants in turn; a longer one runs across
-            steps, that many rows x layers a step (`piecewise.Piecewise`), its pieces taking turns with the
-            others' batches
+            batched, tenants in turn, `group_size` of them where their caches are compacted (the rest in the
+            next steps); a longer one runs across steps, that many rows x layers a step
+            (`piecewise.Piecewise`), its pieces taking turns with the others' batches
     pick, release, decode, repair: the running sequences' part (`decoding.Decoding`): each picks its next
             token, the finished answer, the rest decode in one batch, and those whose first token went out
             under `deferred` are fused again within the step's rows (a longer one in pieces, as a prompt)
@@ -37,7 +37,7 @@ from blend.cores import claim_cores, hand_over_quickly
 from .admission import Admission, Limits
 from .alone import each_alone
 from .decoding import Decoding
-from .groups import groups
+from .groups import group_size
 from .piecewise import Piecewise
 from .prep import PrepThread
 from .repair import finish
@@ -138,7 +138,9 @@ class Scheduler:
             if long_one and self._piece_next:
                 self._piece_next = False
                 return [], cap
-            batch, too_long, failed = self.admission.take_prefill(self.service.runner.num_layers, not long_one)
+            runner = self.service.runner
+            batch, too_long, failed = self.admission.take_prefill(runner.num_layers, not long_one,
+                                                                  group_size(runner, self.service.kv_cache_dtype))
         for ticket, prep, e in failed:
             self._fail(ticket, prep, None, e, "planning a prefill")
         if too_long:
@@ -159,14 +161,12 @@ class Scheduler:
         self._prefill_batch(batch)
 
     def _prefill_batch(self, batch: list[tuple[Ticket, Prepared]]) -> None:
-        runner = self.service.runner
-        for group in groups(runner, self.service.kv_cache_dtype, batch):  # compacted: in groups, warm pages
-            ran = each_alone(group, lambda b: fuse_batch(runner, [prep.fuse_args() for _, prep in b]),
-                             lambda item, e: self._fail(*item, None, e, "a prefill"))
-            if ran:
-                self.stats.prefill_batch.observe(len(ran))
-            for (ticket, prep), fused in ran:
-                self._start(ticket, prep, fused)
+        ran = each_alone(batch, lambda b: fuse_batch(self.service.runner, [prep.fuse_args() for _, prep in b]),
+                         lambda item, e: self._fail(*item, None, e, "a prefill"))
+        if ran:
+            self.stats.prefill_batch.observe(len(ran))
+        for (ticket, prep), fused in ran:
+            self._start(ticket, prep, fused)
 
     def _prefill_piece(self, cap: int) -> None:
         piece = self._piecewise

@@ -278,6 +278,23 @@ def test_a_step_is_short_while_two_tenants_share_the_model_and_its_batch_takes_t
     assert [t.tenant for t, _ in batch] == ["a"] and too_long
 
 
+def test_a_step_takes_at_most_a_group_of_prompts_tenants_in_turn_and_the_rest_wait_admitted():
+    """`most` (the scheduler's `group_size` where running KV is compacted): a step's prefill takes that many
+    prompts, rows to spare or not; the others stay admitted, in their turn, for the next steps."""
+    limits = Limits(max_queue=10, kv_budget=10_000, tenant_queue=10, tenant_running=10, tenant_tokens=0,
+                    step_rows=1000, shared_step_rows=1000)
+    admission = Admission(limits, ServingStats(), SimpleNamespace(shrink=lambda room: None))
+    for tenant in "aaab":
+        _request(admission, tenant, recompute=10)
+    admission.admit()
+    taken = [[t.tenant for t, _ in admission.take_prefill(num_layers=2, most=2)[0]] for _ in range(3)]
+    assert taken == [["a", "b"], ["a", "a"], []] and not admission.admitted
+    for tenant in "ab":
+        _request(admission, tenant, recompute=10)
+    admission.admit()
+    assert len(admission.take_prefill(num_layers=2)[0]) == 2  # no `most`: every prompt that fits
+
+
 def test_steps_stay_short_for_the_window_after_two_tenants_end_then_grow(monkeypatch):
     """Both tenants' requests end: the step stays short for SHARED_WINDOW_S (the next request of either
     may be about to arrive), then one tenant's step is long again. A clock of our own: no waiting."""
