@@ -26,16 +26,11 @@ def _listed(v):
 
 # a string or a list of them (OpenAI's two forms), validated as one list: an error names `stop` or `stop.N`, never
 # the branch of a union that pydantic tried last
-Stops = Annotated[list[StopString], Field(max_length=MAX_STOPS), BeforeValidator(_listed),
+Stops = Annotated[tuple[StopString, ...], Field(max_length=MAX_STOPS), BeforeValidator(_listed),
                   WithJsonSchema({"anyOf": [STOP_STRING, {"type": "array", "items": STOP_STRING,
                                                           "maxItems": MAX_STOPS}]})] | None
 STOP = (f"up to {MAX_STOPS} strings: the answer ends before the first one it writes, which is not part of it "
         "(OpenAI's stop)")
-
-
-def stops(stop: list[str] | None) -> tuple[str, ...]:
-    """A request's `stop` as the tuple `Ask.stop` takes."""
-    return tuple(stop or ())
 
 
 TARGET_KL = ("auto, adaptive: serve the mode (auto) or coverage (adaptive) `ragcache calibrate` measured fastest "

@@ -18,7 +18,7 @@ from ragcache.serving.generation import Ask
 from ..auth import Caller, caller
 from ..deps import record, service, start_generation
 from ..errors import ApiError, body, documented, from_exception
-from ..schemas import ChatRequest, stops
+from ..schemas import ChatRequest
 from ..streaming import sse, sse_response
 
 router = APIRouter(tags=["openai"], responses=documented(400, 401, 403, 404, 413, 422, 429, 503))
@@ -58,7 +58,7 @@ def _ask(req: ChatRequest, who: Caller) -> Ask:
                req.max_completion_tokens or req.max_tokens, req.temperature, req.top_p, req.seed,
                history=tuple(history), system="\n\n".join(system) if system else None, explain=rag.explain,
                ignore_eos=req.ignore_eos, retrieval=rag.retrieval, rerank=rag.rerank, tenant=who.tenant,
-               target_kl=rag.target_kl, stop=stops(req.stop))
+               target_kl=rag.target_kl, stop=req.stop or ())
 
 
 def _usage(result: dict) -> dict:

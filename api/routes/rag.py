@@ -8,7 +8,7 @@ from ragcache.serving.generation import Ask
 from ..auth import Caller, caller
 from ..deps import record, start_generation
 from ..errors import body, documented, from_exception
-from ..schemas import GenerateRequest, GenerateResponse, stops
+from ..schemas import GenerateRequest, GenerateResponse
 from ..streaming import sse, sse_response
 
 router = APIRouter(tags=["rag"], responses=documented(400, 401, 403, 404, 413, 422, 429, 503))
@@ -24,7 +24,7 @@ async def generate(req: GenerateRequest, request: Request, who: Caller = Depends
     ask = Ask(req.query, req.namespace, req.top_k, req.mode, req.recompute_ratio, req.epic_k, req.max_tokens,
               req.temperature, req.top_p, req.seed, explain=req.explain, ignore_eos=req.ignore_eos,
               retrieval=req.retrieval, rerank=req.rerank, tenant=who.tenant, target_kl=req.target_kl,
-              stop=stops(req.stop))
+              stop=req.stop or ())
     stream, first = await start_generation(request, ask)
     if not req.stream:
         result = first[1] if first[0] == "done" else await stream.result(request)
