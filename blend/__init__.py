@@ -2,7 +2,7 @@
 
 Never imports ragcache or api (DESIGN.md layering).
 """
-from . import hugepages, openmp  # first: they must run before torch loads
+from . import hugepages, openmp, vectors  # first: they must run before torch and numba load
 from .cache import KVCache
 from .chunk import ALONE, ChunkKV, PrefixKV, compute_chunk, compute_prefix, ids_key, tokens_only
 from .deferred import Deferred, after_first, repair_of

@@ -15,3 +15,8 @@ def read(path: str = PATH) -> str:
 def vendor(info: str) -> str:
     """The first `vendor_id` in cpuinfo text (GenuineIntel, AuthenticAMD, …); empty where none is given."""
     return next((line.split(":")[1].strip() for line in info.splitlines() if line.startswith("vendor_id")), "")
+
+
+def flags(info: str) -> set[str]:
+    """The first `flags` line's features in cpuinfo text (avx2, avx512f, …); empty where none is given."""
+    return set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), ()))

@@ -1,13 +1,13 @@
 """What `blend` sets before torch starts loading, a value set outside kept: how torch's OpenMP workers spin
-(`blend.openmp`) and huge pages for its CPU allocator (`blend.hugepages`); importing the CLI loads no torch, so its
-`main` loads torch through blend."""
+(`blend.openmp`), huge pages for its CPU allocator (`blend.hugepages`) and numba's vector width (`blend.vectors`);
+importing the CLI loads no torch, so its `main` loads torch through blend."""
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-from blend import openmp
+from blend import cpuinfo, openmp, vectors
 
 # prints the variable as it is when `import torch` starts (libgomp and c10 read theirs once), or "no torch"
 AT_TORCH = """import os, sys
@@ -68,3 +68,31 @@ def test_blend_asks_for_huge_pages_before_torch_loads_and_a_fresh_tensor_gets_th
     asked, pages = _run(TOUCH, var, THP_MEM_ALLOC_ENABLE="0").split()
     assert asked == "0" and (int(pages) < half or always)  # a value set outside stays: no pages asked for
     assert _run("import torch", var) == "None"
+
+
+AVX512 = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512bw\n"
+AVX2 = "processor\t: 0\nflags\t\t: fpu sse avx2 fma\n"
+
+
+def test_numba_compiles_for_512_bit_vectors_only_where_the_cpu_has_avx512_and_nothing_is_set_outside():
+    def chosen(info: str, **environ) -> str | None:
+        vectors.choose(environ, info, lambda: "+avx2,+avx512f")
+        return environ.get("NUMBA_CPU_FEATURES")
+
+    assert chosen(AVX512) == "+avx2,+avx512f,-prefer-256-bit"
+    assert chosen(AVX2) is None and chosen("") is None  # numba's own choice
+    assert chosen(AVX512, NUMBA_CPU_FEATURES="+sse2") == "+sse2"
+    assert cpuinfo.flags(AVX512) == {"fpu", "sse", "avx2", "avx512f", "avx512bw"} and cpuinfo.flags("") == set()
+
+
+# after `import blend`, the widest vector register a vectorized loop compiled by numba uses
+ZMM = """import blend, numba, numpy as np
+f = numba.njit(fastmath=True)(lambda x: (x * np.float32(2)).sum())
+f(np.ones(4096, dtype=np.float32))
+asm = next(iter(f.inspect_asm().values()))
+print("zmm" if "zmm" in asm else "ymm" if "ymm" in asm else "xmm")"""
+
+
+def test_blends_kernels_compile_to_512_bit_vectors_on_this_host_where_it_has_avx512():
+    wide = "avx512f" in cpuinfo.flags(cpuinfo.read())
+    assert _run(ZMM, "NUMBA_CPU_FEATURES").splitlines()[-1] == ("zmm" if wide else "ymm")
