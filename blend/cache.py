@@ -100,12 +100,15 @@ class KVCache:
                 else:
                     d.index_copy_(1, rows, x.to(d.dtype))
 
-    def compact(self, dtype: torch.dtype) -> "KVCache":
-        """Rows [0, length) at `dtype` (bfloat16, or int8 with per-row scales) in a new cache of the same
-        capacity; `reweight` goes along. The same cache when it already is at `dtype`."""
+    def compact(self, dtype: torch.dtype, out: "KVCache | None" = None) -> "KVCache":
+        """Rows [0, length) at `dtype` (bfloat16, or int8 with per-row scales) in `out` (an empty cache at `dtype`
+        with room for them), else a new cache of the same capacity; `reweight` goes along. The same cache when it
+        already is at `dtype`."""
         if dtype == self.dtype:
             return self
-        out = KVCache.empty(self.k.shape[0], self.k.shape[1], self.k.shape[3], self.capacity, dtype, self.k.device)
+        if out is None:
+            out = KVCache.empty(self.k.shape[0], self.k.shape[1], self.k.shape[3], self.capacity, dtype, self.k.device)
+        assert out.dtype == dtype and out.capacity >= self.length and out.k.shape[:2] == self.k.shape[:2], out.k.shape
         n = self.length
         for src, dst, scale in ((self.k, out.k, out.k_scale), (self.v, out.v, out.v_scale)):
             if scale is None:

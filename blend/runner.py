@@ -21,7 +21,7 @@ from .linear import Weights, make_weights
 from .model import Model
 from .rope import RopeTable, rope_frequencies
 
-SPARE_CACHES = 2  # released working caches a runner keeps, so that the next prefills write into warm pages
+SPARE_CACHES = 2  # released caches a runner keeps of each dtype, so that the next prefills write into warm pages
 
 
 @dataclass(frozen=True)
@@ -107,28 +107,34 @@ class Runner:
         self._spare: list[KVCache] = []  # released caches, reused to skip fresh-page faults
         self._spare_lock = threading.Lock()
 
-    def new_cache(self, capacity: int) -> KVCache:
-        """An empty cache for `capacity` rows: a released one of fitting size, else a new one. A spare made
-        under inference mode goes only to a caller inside it: torch refuses writes to it anywhere else."""
+    def new_cache(self, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty cache for `capacity` rows at `dtype` (the model's by default): a released one of that dtype and
+        fitting size, else a new one. A spare made under inference mode goes only to a caller inside it: torch
+        refuses writes to it anywhere else."""
+        dtype = dtype or self.dtype
         writable = torch.is_inference_mode_enabled()
         with self._spare_lock:
             for i, spare in enumerate(self._spare):
-                if capacity <= spare.capacity <= 2 * capacity and (writable or not spare.k.is_inference()):
+                if (spare.dtype == dtype and capacity <= spare.capacity <= 2 * capacity
+                        and (writable or not spare.k.is_inference())):
                     return self._spare.pop(i)
-        return KVCache.empty(self.num_layers, self.num_kv_heads, self.head_dim, capacity, self.dtype, self.device)
+        return KVCache.empty(self.num_layers, self.num_kv_heads, self.head_dim, capacity, dtype, self.device)
 
     def release(self, cache: KVCache) -> None:
-        """Hand a cache back for reuse; the caller must not touch it (or views of it) afterwards."""
+        """Hand a cache back for reuse; the caller must not touch it (or views of it) afterwards. SPARE_CACHES are
+        kept of each dtype: working caches (the model's) and compact ones (a running sequence's)."""
         with self._spare_lock:
-            if len(self._spare) < SPARE_CACHES and cache.dtype == self.dtype:  # a compact one is not a working one
-                self._spare.append(KVCache(cache.k, cache.v, 0))
+            if sum(s.dtype == cache.dtype for s in self._spare) < SPARE_CACHES:
+                self._spare.append(KVCache(cache.k, cache.v, 0, cache.k_scale, cache.v_scale))
 
     def compact(self, cache: KVCache, dtype: torch.dtype) -> KVCache:
-        """A fused cache as a running sequence keeps it, at `dtype` (`KVCache.compact`); a working cache
-        left behind goes back for reuse."""
-        kept = cache.compact(dtype)
-        if kept is not cache:
-            self.release(cache)
+        """A fused cache as a running sequence keeps it, at `dtype` (`KVCache.compact`), written into a released
+        compact cache where one fits (fresh pages cost ~3x the int8 pass itself on a 2-core VM: BENCHMARKS.md);
+        a working cache left behind goes back for reuse."""
+        if dtype == cache.dtype:
+            return cache
+        kept = cache.compact(dtype, self.new_cache(cache.capacity, dtype))
+        self.release(cache)
         return kept
 
     # ---- the transformer block -------------------------------------------------------------

@@ -122,8 +122,8 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_int8_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, n: int) -> None:
-    """`quantize_int8` of rows 0..n of x (L, Hkv, capacity, hd) into those of q (same shape) int8 and scale
-    (L, Hkv, capacity) float32. One compiled pass for contiguous float32 on the CPU: compacting a fused cache of
+    """`quantize_int8` of rows 0..n of x (L, Hkv, capacity, hd) into those of q (L, Hkv, ≥ n, hd) int8 and scale
+    (L, Hkv, ≥ n) float32. One compiled pass for contiguous float32 on the CPU: compacting a fused cache of
     2.5K rows took torch ~100 ms here (six passes)."""
     if x.is_cuda or x.dtype != torch.float32 or not (x.is_contiguous() and q.is_contiguous() and scale.is_contiguous()):
         rows, scales = quantize_int8(x[:, :, :n])

@@ -108,7 +108,7 @@ def write_rows_(q: torch.Tensor, scale: torch.Tensor, new: torch.Tensor, first: 
 
 
 def quantize_into(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, n: int) -> None:
-    """Rows 0..n of x (L, Hkv, capacity, hd) float32 → of q (same shape) int8 and scale (L, Hkv, capacity)
+    """Rows 0..n of x (L, Hkv, capacity, hd) float32 → of q (L, Hkv, ≥ n, hd) int8 and scale (L, Hkv, ≥ n)
     float32, as `reference.quantize_int8`; each tensor contiguous (its rows then load in vector lanes)."""
     numba.set_num_threads(cpu_threads.cores())
     quantize_all(x.numpy(), q.numpy(), scale.numpy(), n)

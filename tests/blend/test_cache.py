@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blend import KVCache
+from blend import KVCache, Runner
 from blend.batch import decode_batch
 
 # teacher-forced KL(float32 ‖ compact) of the next-token distribution, per decode step, on SmolLM2
@@ -106,6 +106,28 @@ def test_ape_decodes_over_an_int8_cache_within_its_bound(smol_runner):
     assert 0 < float(kl) < KL_BOUND[torch.int8], float(kl)
 
 
+def test_a_compact_cache_let_go_is_where_the_next_compaction_writes_and_holds_the_same_bits(smollm):
+    """A running sequence's cache (int8 or bfloat16) goes back to its runner when it finishes, and the next fused
+    cache compacted to that dtype is written into it (fresh pages cost a 2-core VM ~3x the int8 pass itself). Its
+    rows are what a new cache gets; the working caches' pool is apart (a float cache is never handed a compact
+    one), and a compact cache too small for the rows is passed over."""
+    runner = Runner(smollm)
+    ids = _prompt(runner, 20, 0)
+    for dtype in (torch.int8, torch.bfloat16):
+        fused = lambda: _prefilled(runner, ids, 4)[0]  # noqa: E731 — a fresh working cache each time
+        want = fused().compact(dtype)
+        first = runner.compact(fused(), dtype)
+        runner.release(first)
+        assert runner.new_cache(24).dtype == runner.dtype  # the working pool: not the compact cache
+        second = runner.compact(fused(), dtype)
+        assert second.k.data_ptr() == first.k.data_ptr() and second.length == want.length == 20
+        for got, ref in zip(second._parts(), want._parts()):
+            assert torch.equal(got[:, :, :20], ref[:, :, :20])
+        runner.release(second)
+        longer = runner.compact(_prefilled(runner, _prompt(runner, 60, 1), 4)[0], dtype)  # 64 rows > 2 x 24
+        assert longer.k.data_ptr() != first.k.data_ptr() and longer.capacity == 64
+
+
 def test_a_chunk_prefilled_outside_inference_mode_may_reuse_a_spare_cache_made_inside_it(smol_runner):
     """`compute_chunk` behind a prefix takes a working cache from the runner's spares; one released under
     inference mode (a rerank's or a fused prefill's) is an inference tensor, which torch refuses to write
@@ -122,8 +144,10 @@ def test_a_chunk_prefilled_outside_inference_mode_may_reuse_a_spare_cache_made_i
     assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
 
 
-def test_a_spare_made_under_inference_mode_is_not_handed_to_a_caller_outside_it(smol_runner):
-    """Any working cache taken outside inference mode must be writable there, whichever spares are pooled."""
+def test_a_spare_made_under_inference_mode_is_not_handed_to_a_caller_outside_it(smollm):
+    """Any working cache taken outside inference mode must be writable there, whichever spares are pooled. A
+    runner of its own: the shared one's pool may be full already, and a full pool keeps no more."""
+    smol_runner = Runner(smollm)
     with torch.inference_mode():
         smol_runner.release(smol_runner.new_cache(24))
     cache, _ = _prefilled(smol_runner, _prompt(smol_runner, 20, 0), 4)  # writes into a cache of 24 rows
