@@ -66,18 +66,24 @@ def _bandwidth(runs: dict, sizes: list[int], weights: int, kv: int) -> str:
     """Reuse's gain against the bound set by the bytes a decode step reads: N sequences read the weights
     once and N caches, so N x (W + KV) / (W + N x KV) over one sequence's step. Twice: end to end (the clients'
     tokens/s, each request's fused prefill included) and the decode phase alone (the server's median time a
-    token from first token to last: N sequences at once against one), which is what the bound counts."""
+    token from first token to last: N sequences at once against one), which is what the bound counts. And what
+    end to end could reach if the decode ran at the bound while the rest of a request (retrieval, fused prefill,
+    HTTP: its time at N = sizes[0] less its decode share) stayed as it was and ran one request after another."""
     rows = []
+    one = runs[("reuse", sizes[0])]
+    latency = one["wall"] / one["requests"]  # each request's share of the wall at sizes[0]
+    decode = one["decode"] / 1000 / sizes[0]  # its decode's share (ms → s)
     for n in sizes:
-        one, r = runs[("reuse", sizes[0])], runs[("reuse", n)]
+        r = runs[("reuse", n)]
         gain = (r["tokens"] / r["wall"]) / (one["tokens"] / one["wall"])
         decode_gain = n * one["decode"] / (sizes[0] * r["decode"])  # the same tokens a request, so ms a token
         bound = n * (weights + kv) / (weights + n * kv) / (sizes[0] * (weights + kv) / (weights + sizes[0] * kv))
-        rows.append([n, (weights + n * kv) / 1e6, gain, bound, gain / bound, decode_gain, decode_gain / bound])
+        ceiling = latency / (latency - decode + decode / bound) / bound
+        rows.append([n, (weights + n * kv) / 1e6, gain, bound, gain / bound, decode_gain, decode_gain / bound, ceiling])
     return (f"\nreuse against the bandwidth bound: a step reads {weights / 1e6:.0f} MB of weights and "
             f"{kv / 1e6:.1f} MB of KV per sequence\n"
             + table(rows, ["N", "MB a step reads", "tokens/s vs N=1", "bound", "vs bound", "decode phase vs N=1",
-                           "decode phase vs bound"]))
+                           "decode phase vs bound", "end to end vs bound, were decode at the bound"]))
 
 
 def _body(question: str, mode: dict, new_tokens: int) -> dict:
@@ -111,7 +117,8 @@ def _clients(url: str, questions: list[str], mode: dict, n: int, rounds: int, ne
         t.join()
     wall = time.perf_counter() - t0
     tokens = sum(d["usage"]["completion_tokens"] for _, _, d in seen)
-    return {"wall": wall, "tokens": tokens, "errors": len(errors), "ttft": sorted(t for t, _, _ in seen),
+    return {"wall": wall, "tokens": tokens, "errors": len(errors), "requests": len(seen),
+            "ttft": sorted(t for t, _, _ in seen),
             "latency": sorted(l for _, l, _ in seen), "blend": median([d["timings_ms"]["blend"] for *_, d in seen]),
             "decode": median([d["timings_ms"]["decode"] for *_, d in seen])}
 
