@@ -183,7 +183,7 @@ class Admission:
         steps, when `long_ok` and nothing else was taken first; else it waits, and shorter ones pass it."""
         cap, rows, batch, failed = self.step_rows, 0, [], []
         took = True
-        while took and len(batch) != most:
+        while took:
             took = False
             for tenant, (_ticket, prep) in self.admitted.heads():
                 if len(batch) == most:
